@@ -1,0 +1,12 @@
+"""Process-wide state of eagle3_compat (one journal, one record of apply())."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._journal import Journal
+
+journal = Journal()
+applied: bool = False
+options: dict[str, Any] = {}
+report: Any = None  # the last Status

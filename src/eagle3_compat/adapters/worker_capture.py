@@ -1,0 +1,61 @@
+"""Adapter ``worker-capture``: hooks on the decoder layers instead of a rewritten forward.
+
+Upstream symbol: ``speculators.data_generation.custom_worker.
+HiddenStatesWorkerExtension`` (its ``_patched_forward``), and on the vLLM
+side the worker surface the capture relies on:
+``GPUModelRunner.execute_model`` (the step), ``InputBatch.req_ids`` (the
+batch layout) and ``ParallelConfig.worker_extension_cls``.
+
+Why it breaks: 0.3.0's generic forward calls ``get_input_embeddings``
+(renamed ``embed_input_ids`` in vLLM 0.12+), passes only ``positions,
+hidden_states, residual`` to each layer (vLLM 0.16's DeepseekV2 layer also
+takes ``llama_4_scaling``: dropped silently), skips model-specific forward
+logic, captures during warm-up, keeps every step's states on the device
+until the end of the call, and is used with ``collective_rpc`` whose reply
+shape changed.
+
+How it is fixed: the engine is started with our worker extension
+(:class:`eagle3_compat.worker.CaptureWorkerExtension`), imported by vLLM
+inside each worker, which registers forward hooks on the requested decoder
+layers and records rows per request at every step.  Nothing is patched in
+the workers; this record's install step is empty and its probe checks the
+worker-side symbols in the user's process, before any engine starts.
+
+Remove when: speculators 0.3.0 is no longer supported.
+"""
+
+from __future__ import annotations
+
+from .._journal import Journal
+from . import Adapter, AdapterError
+
+ID = "worker-capture"
+
+
+def probe() -> None:
+    from vllm.config import ParallelConfig  # noqa: PLC0415
+    from vllm.v1.worker.gpu_input_batch import InputBatch  # noqa: PLC0415
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: PLC0415
+
+    if not callable(getattr(GPUModelRunner, "execute_model", None)):
+        raise AdapterError(ID, "vllm GPUModelRunner.execute_model", "missing")
+    if not hasattr(InputBatch, "req_ids"):
+        raise AdapterError(ID, "vllm InputBatch.req_ids", "missing (batch layout unknown)")
+    if "worker_extension_cls" not in getattr(ParallelConfig, "__dataclass_fields__", {}):
+        raise AdapterError(ID, "vllm ParallelConfig.worker_extension_cls", "missing")
+
+
+def install(journal: Journal) -> None:  # noqa: ARG001 - nothing to patch in this process
+    return None
+
+
+ADAPTER = Adapter(
+    id=ID,
+    targets=("eagle3_compat.worker.CaptureWorkerExtension (worker_extension_cls)",),
+    vllm_min=(0, 11),
+    vllm_max=(0, 16),
+    probe=probe,
+    install=install,
+    upstream="vLLM 0.12 renamed get_input_embeddings; vLLM 0.16 DeepseekV2 layers take llama_4_scaling",
+    remove_when="speculators 0.3.0 is no longer supported",
+)

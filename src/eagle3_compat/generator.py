@@ -1,0 +1,291 @@
+"""Driver side: what ``VllmHiddenStatesGenerator`` runs once apply() is in effect.
+
+speculators 0.3.0 drives vLLM 0.11's internals by hand (a ``Scheduler``,
+a ``MultiprocExecutor``, ``Request`` objects, its own KV-cache sizing
+through ``torch.cuda.mem_get_info``).  Every one of those changed between
+0.11 and 0.16 (see the adapter records in :mod:`eagle3_compat.adapters`),
+and the hand-made loop also aborts each request after one step, which
+truncates chunked prompts.  The functions here keep the generator's public
+API and results format but drive vLLM through its stable offline engine
+(``vllm.LLM``: ``llm_engine.add_request`` / ``step`` / ``collective_rpc``),
+which sizes the KV cache for whichever platform it runs on (CUDA or CPU),
+does chunked prefill and both step phases itself, and returns
+``collective_rpc`` replies as a list on every release.
+
+Results are assembled by :func:`eagle3_compat.capture.assemble` from what
+each worker recorded per step, and checked on every call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from .capture import CaptureError, assemble, make_request_id
+from .logs import get_logger
+from .worker import WORKER_EXTENSION
+
+log = get_logger("eagle3_compat.generator")
+
+# speculators 0.3.0's engine limits, kept so that results and memory use
+# match what its users configured for.
+MAX_NUM_SEQS = 32
+MIN_MAX_BATCHED_TOKENS = 8192
+
+_instances = itertools.count()
+
+
+def _options() -> dict[str, Any]:
+    from . import _state  # noqa: PLC0415
+
+    return dict(_state.options)
+
+
+def _num_layers(config: Any) -> int:
+    if hasattr(config, "num_hidden_layers"):
+        return int(config.num_hidden_layers)
+    text = getattr(config, "text_config", None)
+    if text is not None and hasattr(text, "num_hidden_layers"):
+        return int(text.num_hidden_layers)
+    raise ValueError("Cannot determine num_layers from config")
+
+
+def _vocab_size(config: Any) -> int | None:
+    for cfg in (config, getattr(config, "text_config", None)):
+        v = getattr(cfg, "vocab_size", None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def validate_layer_ids(layer_ids: Any, num_layers: int) -> list[int]:
+    """0.3.0's bounds check, plus the cases it let through silently."""
+    if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Sequence):
+        raise ValueError(f"layer_ids must be a list of ints, got {type(layer_ids).__name__}")
+    ids = list(layer_ids)
+    if not ids:
+        raise ValueError("layer_ids is empty: give at least one decoder layer index")
+    for k in ids:
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise ValueError(f"layer_ids must be ints, got {k!r}")
+        if k < 0 or k >= num_layers:
+            raise ValueError(f"Layer index {k} out of bounds [0, {num_layers - 1}]")
+    dup = sorted({k for k in ids if ids.count(k) > 1})
+    if dup:
+        raise ValueError(f"layer_ids repeats {dup}: each layer can be captured once")
+    return ids
+
+
+def generator_init(
+    self: Any,
+    model_path: str,
+    layer_ids: list[int] | None = None,
+    max_model_len: int = 2048,
+    gpu_memory_utilization: float = 0.8,
+    tensor_parallel_size: int = 1,
+) -> None:
+    """Replacement for ``VllmHiddenStatesGenerator.__init__`` (same signature)."""
+    from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415
+    from vllm import LLM  # noqa: PLC0415
+
+    opts = _options()
+    self.model_path = model_path
+    self.tensor_parallel_size = tensor_parallel_size
+    self._request_counter = 0
+    self._e3c_closed = True
+    if not os.path.exists(model_path) and os.path.sep in model_path:
+        raise ValueError(f"model_path {model_path!r} does not exist")
+    self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
+    num_layers = _num_layers(config)
+    if layer_ids is None:
+        layer_ids = [2, num_layers // 2, num_layers - 3, num_layers - 1]
+        log.info("auto-selected layers %s of %d", layer_ids, num_layers)
+    self.layer_ids = validate_layer_ids(layer_ids, num_layers)
+    self._e3c_num_layers = num_layers
+    self._e3c_vocab_size = _vocab_size(config)
+    from .adapters import refuse_unverified  # noqa: PLC0415
+
+    refuse_unverified(config)
+
+    self._e3c_max_model_len = int(max_model_len)
+    log.info(
+        "starting vLLM for %s: layers %s, max_model_len %d, tensor_parallel_size %d, dtype %s",
+        model_path,
+        self.layer_ids,
+        max_model_len,
+        tensor_parallel_size,
+        opts.get("dtype") or "auto",
+    )
+    self.llm = LLM(
+        model=model_path,
+        tokenizer=model_path,
+        trust_remote_code=True,
+        dtype=opts.get("dtype") or "auto",
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        # No torch.compile: module hooks must run eagerly (the CPU platform
+        # compiles by default even with enforce_eager).
+        compilation_config=0,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=max(MIN_MAX_BATCHED_TOKENS, max_model_len),
+        # A prefix-cache hit skips the cached rows: they would be missing.
+        enable_prefix_caching=False,
+        worker_extension_cls=WORKER_EXTENSION,
+        seed=0,
+    )
+    self._e3c_closed = False
+    self.vllm_config = self.llm.llm_engine.vllm_config
+    self.executor = None  # 0.3.0 attribute; the engine owns its executor now
+    self.scheduler = None
+    infos = self.llm.collective_rpc("e3c_setup", args=(self.layer_ids,))
+    self._e3c_worker_info = infos[0]
+    log.info("capture ready: %s", infos[0])
+
+
+def _as_prompt_list(token_ids: Any) -> list[list[int]]:
+    """Validate ``generate()`` input; a ValueError names the prompt index."""
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:  # pragma: no cover
+        torch = None  # type: ignore[assignment]
+    if torch is not None and isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 2:
+            raise ValueError(f"token_ids tensor must be 2-D [prompts, tokens], got {token_ids.dim()}-D")
+        if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+            raise ValueError(f"token_ids tensor must hold integers, got {token_ids.dtype}")
+        token_ids = token_ids.tolist()
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise ValueError(f"token_ids must be a list of token-id lists, got {type(token_ids).__name__}")
+    if len(token_ids) == 0:
+        raise ValueError("token_ids cannot be empty")
+    prompts = []
+    for i, ids in enumerate(token_ids):
+        if torch is not None and isinstance(ids, torch.Tensor):
+            if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+                raise ValueError(f"prompt {i}: expected a 1-D integer tensor, got {ids.dim()}-D {ids.dtype}")
+            ids = ids.tolist()
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise ValueError(f"prompt {i}: expected a list of token ids, got {type(ids).__name__}")
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"prompt {i}: token ids must be ints, got {t!r}")
+            if t < 0:
+                raise ValueError(f"prompt {i}: negative token id {t}")
+        prompts.append(list(ids))
+    return prompts
+
+
+def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
+    """Replacement for ``VllmHiddenStatesGenerator.generate`` (same signature and results)."""
+    import torch  # noqa: PLC0415
+    from vllm import SamplingParams  # noqa: PLC0415
+
+    if getattr(self, "_e3c_closed", True):
+        raise RuntimeError("this VllmHiddenStatesGenerator is closed")
+    prompts = _as_prompt_list(token_ids)
+    vocab = self._e3c_vocab_size
+    if vocab is not None:
+        for i, ids in enumerate(prompts):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt {i}: token id {bad} is not below the vocabulary size {vocab}")
+    # speculators 0.3.0 truncates to max_model_len - 1 (vLLM needs room for the
+    # one sampled token).  Kept, but never silently.
+    max_len = self._e3c_max_model_len - 1
+    cut = [i for i, ids in enumerate(prompts) if len(ids) > max_len]
+    if cut:
+        log.warning(
+            "truncating %d prompt(s) to max_model_len - 1 = %d tokens: indices %s",
+            len(cut),
+            max_len,
+            cut if len(cut) <= 20 else cut[:20] + ["..."],
+        )
+        prompts = [ids[:max_len] for ids in prompts]
+
+    call = self._request_counter
+    self._request_counter += 1
+    engine = self.llm.llm_engine
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    self.llm.collective_rpc("e3c_arm", args=(call,))
+    req_ids = [make_request_id(call, i) for i in range(len(prompts))]
+    try:
+        for rid, ids in zip(req_ids, prompts):
+            engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    except BaseException:
+        _abort(self, req_ids)
+        raise
+    replies = self.llm.collective_rpc("e3c_fetch", args=(call,))
+    captured = replies[0]
+    if captured is None or any(r is not None for r in replies[1:]):
+        raise CaptureError("eagle3_compat: expected captures from tensor-parallel rank 0 only")
+    results = assemble(
+        prompts,
+        captured["chunks"],
+        self.layer_ids,
+        cat=lambda parts: torch.cat(parts, dim=0),
+        check_finite=lambda t: bool(torch.isfinite(t).all()),
+    )
+    log.debug(
+        "call %d: %d prompts, %d steps, %d foreign rows",
+        call,
+        len(prompts),
+        captured["steps"],
+        captured["foreign_rows"],
+    )
+    return [
+        {
+            "input_ids": torch.as_tensor(ids, dtype=torch.long),
+            "hidden_states": states,
+            "loss_mask": None,
+        }
+        for ids, states in zip(prompts, results)
+    ]
+
+
+def _abort(self: Any, req_ids: list[str]) -> None:
+    try:
+        self.llm.llm_engine.abort_request(req_ids)
+        while self.llm.llm_engine.has_unfinished_requests():
+            self.llm.llm_engine.step()
+        self.llm.collective_rpc("e3c_disarm")
+    except Exception:  # the engine may be gone; the original error matters
+        log.debug("abort after a failed call also failed", exc_info=True)
+
+
+def generator_close(self: Any) -> None:
+    """Shut the engine down (idempotent)."""
+    if getattr(self, "_e3c_closed", True):
+        return
+    self._e3c_closed = True
+    llm = self.__dict__.pop("llm", None)
+    if llm is None:
+        return
+    try:
+        engine_core = llm.llm_engine.engine_core
+        engine_core.shutdown()
+    except Exception:
+        log.debug("engine shutdown raised", exc_info=True)
+
+
+def generator_del(self: Any) -> None:
+    try:
+        generator_close(self)
+    except Exception:
+        pass
+
+
+def generator_enter(self: Any) -> Any:
+    return self
+
+
+def generator_exit(self: Any, *exc: Any) -> None:
+    generator_close(self)

@@ -1,0 +1,249 @@
+"""Tiny models and independent references, for the tests and the demo.
+
+Nothing here downloads anything: checkpoints get random weights and a
+word-level tokenizer built locally.  Sizes are ones vLLM's CPU attention
+kernel accepts (head_dim 64).
+
+References:
+
+* :func:`hf_layer_outputs`: Hugging Face transformers in float32, the
+  output of decoder layer ``k`` taken by a forward hook on that layer
+  (one prompt per forward, no padding).  That is speculators' contract
+  (HF ``hidden_states[k + 1]``, except that for the last layer HF's tuple
+  holds the normed state and the hook holds the pre-norm one).
+* :func:`vllm_layer_outputs`: vLLM's own unpatched forward, hooks on the
+  decoder layers through ``LLM.apply_model``, one prompt per step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FAMILIES",
+    "compare",
+    "hf_layer_outputs",
+    "make_tiny_model",
+    "max_rel_error",
+    "vllm_layer_outputs",
+]
+
+_WORDS = 400
+
+
+def _config(family: str, vocab: int, layers: int, hidden: int) -> dict[str, Any]:
+    heads = hidden // 64
+    common = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "head_dim": 64,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+    if family == "llama":
+        return {**common, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                "rope_theta": 10000.0}
+    if family == "qwen3":
+        return {**common, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+                "rope_theta": 1000000.0, "attention_bias": False, "use_sliding_window": False}
+    raise ValueError(f"unknown tiny-model family {family!r}; known: {FAMILIES}")
+
+
+FAMILIES = ("llama", "qwen3")
+
+
+def _tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(_WORDS):
+        vocab[f"w{i}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}assistant {% endif %}"
+    )
+    fast.save_pretrained(path)
+
+
+def make_tiny_model(
+    path: str | Path,
+    family: str = "llama",
+    *,
+    layers: int = 6,
+    hidden: int = 256,
+    vocab: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight HF checkpoint (float32) with a local tokenizer to ``path``."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg_dict = _config(family, vocab, layers, hidden)
+    (path / "config.json").write_text(json.dumps(cfg_dict, indent=1))
+    config = AutoConfig.from_pretrained(path)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    # Larger-than-default init so that layers differ clearly from each other.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.06)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer(path)
+    return path
+
+
+def _layer_out(out: Any) -> Any:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def hf_layer_outputs(
+    model_path: str | Path, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int]
+) -> list[list[Any]]:
+    """Reference (1): HF float32 outputs of decoder layers ``layer_ids``, per prompt."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    model.eval()
+    layers = model.model.layers
+    captured: dict[int, Any] = {}
+    handles = [
+        layers[k].register_forward_hook(
+            lambda _m, _a, out, k=k: captured.__setitem__(k, _layer_out(out)[0].clone())
+        )
+        for k in layer_ids
+    ]
+    out = []
+    try:
+        with torch.no_grad():
+            for ids in prompts:
+                captured.clear()
+                model(torch.tensor([list(ids)], dtype=torch.long))
+                out.append([captured[k] for k in layer_ids])
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def _vllm_hook_setup(model: Any, layer_ids: list[int]) -> None:  # runs in the worker
+    from eagle3_compat.worker import _decoder_layers, _layer_output  # noqa: PLC0415
+
+    _, layers = _decoder_layers(model)
+    store: list[dict[int, Any]] = []
+    model._e3c_ref_store = store
+
+    def hook(k):
+        def fn(_m, _a, out):
+            if getattr(model, "_e3c_ref_on", False):
+                store[-1][k] = _layer_output(out).detach().to("cpu", copy=True)
+
+        return fn
+
+    model._e3c_ref_handles = [layers[k].register_forward_hook(hook(k)) for k in layer_ids]
+
+
+def vllm_layer_outputs(
+    model_path: str | Path,
+    prompts: Sequence[Sequence[int]],
+    layer_ids: Sequence[int],
+    dtype: str = "float32",
+) -> list[list[Any]]:
+    """Reference (2): vLLM's own forward, hooks via ``LLM.apply_model``, one prompt per step."""
+    from vllm import LLM, SamplingParams  # noqa: PLC0415
+
+    llm = LLM(
+        model=str(model_path),
+        dtype=dtype,
+        enforce_eager=True,
+        compilation_config=0,
+        enable_prefix_caching=False,
+        max_model_len=max(len(p) for p in prompts) + 8,
+        max_num_batched_tokens=max(8192, max(len(p) for p in prompts) + 8),
+        seed=0,
+    )
+    ids = list(layer_ids)
+    llm.apply_model(lambda m: _vllm_hook_setup(m, ids))
+    out = []
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    try:
+        for p in prompts:
+            def start(m):
+                m._e3c_ref_store.append({})
+                m._e3c_ref_on = True
+
+            llm.apply_model(start)
+            llm.generate([{"prompt_token_ids": list(p)}], params, use_tqdm=False)
+
+            def stop(m):
+                m._e3c_ref_on = False
+                return m._e3c_ref_store.pop()
+
+            got = llm.apply_model(stop)[0]
+            out.append([got[k][: len(p)] for k in ids])
+    finally:
+        del llm
+    return out
+
+
+def max_rel_error(got: Any, ref: Any) -> float:
+    """``max|got - ref| / max|ref|`` (float64); inf when shapes differ."""
+    import torch  # noqa: PLC0415
+
+    if tuple(got.shape) != tuple(ref.shape):
+        return float("inf")
+    g = got.detach().to(torch.float64)
+    r = ref.detach().to(torch.float64)
+    return float((g - r).abs().max() / r.abs().max().clamp_min(1e-30))
+
+
+def compare(
+    results: Sequence[dict[str, Any]],
+    reference: Sequence[Sequence[Any]],
+    prompts: Sequence[Sequence[int]],
+    layer_ids: Sequence[int],
+    tol: float,
+) -> float:
+    """Check generator results against a reference; raise AssertionError naming what differs.
+
+    Returns the largest relative error seen.
+    """
+    if len(results) != len(prompts):
+        raise AssertionError(f"{len(results)} results for {len(prompts)} prompts")
+    worst = 0.0
+    for i, (res, ref, ids) in enumerate(zip(results, reference, prompts)):
+        if res["input_ids"].tolist() != list(ids):
+            raise AssertionError(f"prompt {i}: input_ids differ from the prompt")
+        states = res["hidden_states"]
+        if len(states) != len(layer_ids):
+            raise AssertionError(f"prompt {i}: {len(states)} tensors for {len(layer_ids)} layers")
+        for j, k in enumerate(layer_ids):
+            err = max_rel_error(states[j], ref[j])
+            worst = max(worst, err)
+            if not err <= tol:
+                raise AssertionError(
+                    f"prompt {i} (len {len(ids)}), layer {k}: relative error {err:.3g} > {tol:g}; "
+                    f"shape {tuple(states[j].shape)} vs {tuple(ref[j].shape)}"
+                )
+    return worst

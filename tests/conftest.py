@@ -1,0 +1,61 @@
+"""Shared fixtures: environment for the real CPU engine, tiny models, references."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Engine processes inherit these (they are spawned).  Set before vllm is imported.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # LLM.apply_model references
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def _have(mod: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(mod) is not None
+
+
+HAVE_ENGINE = _have("vllm") and _have("speculators") and _have("torch")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_ENGINE:
+        return
+    skip = pytest.mark.skip(reason="vllm/speculators/torch not installed (run through tox)")
+    for item in items:
+        if "engine" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def vllm_minor():
+    from eagle3_compat.versions import detect, minor
+
+    return minor(detect().vllm_version)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """family -> path of a tiny random-weight checkpoint (made once per session)."""
+    from eagle3_compat.testing import make_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    cache = {}
+
+    def get(family: str = "llama", **kw):
+        key = (family, tuple(sorted(kw.items())))
+        if key not in cache:
+            name = family + "".join(f"-{k}{v}" for k, v in sorted(kw.items()))
+            cache[key] = make_tiny_model(root / name, family, **kw)
+        return cache[key]
+
+    return get

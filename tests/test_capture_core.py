@@ -1,0 +1,164 @@
+"""Property tests of the capture core (pure logic, no engine)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eagle3_compat.capture import (
+    CaptureError,
+    StepLayout,
+    StepSlicer,
+    assemble,
+    make_request_id,
+    parse_request_id,
+)
+
+torch = pytest.importorskip("torch")
+
+HIDDEN = 3
+
+
+def encode(prompt: int, pos: int, layer: int) -> list[float]:
+    return [float(prompt), float(pos), float(layer)]
+
+
+@st.composite
+def scenarios(draw):
+    n = draw(st.integers(1, 8))
+    lengths = draw(st.lists(st.integers(1, 300), min_size=n, max_size=n))
+    layer_ids = draw(st.lists(st.integers(0, 60), min_size=1, max_size=4, unique=True))
+    budget = draw(st.integers(1, 400))
+    max_seqs = draw(st.integers(1, 5))
+    pad = draw(st.integers(0, 7))
+    decode_rows = draw(st.booleans())
+    foreign = draw(st.booleans())
+    seed = draw(st.integers(0, 2**16))
+    call = draw(st.integers(0, 5))
+    return lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call
+
+
+def simulate(lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call):
+    """A toy scheduler: chunked prefill under a token budget, shuffled batch order,
+    padding rows, optional decode rows and rows of another call's requests."""
+    rng = random.Random(seed)
+    done = [0] * len(lengths)
+    slicer = StepSlicer(call=call)
+    while any(d < n for d, n in zip(done, lengths)):
+        running = [i for i, (d, n) in enumerate(zip(done, lengths)) if d < n][:max_seqs]
+        left = budget
+        sched = []
+        for i in running:
+            if left == 0:
+                break
+            k = min(lengths[i] - done[i], left)
+            sched.append((make_request_id(call, i), i, done[i], k))
+            left -= k
+        if decode_rows and sched:
+            rid, i, start, k = sched[0]
+            if start + k == lengths[i]:
+                sched[0] = (rid, i, start, k + 1)  # an extra token past the prompt
+        if foreign:
+            sched.append((make_request_id(call + 1, 0) + "-deadbeef", -1, 0, 2))
+        rng.shuffle(sched)
+        rows_pos, rows_tok, rows_val = [], [], []
+        for rid, i, start, k in sched:
+            for p in range(start, start + k):
+                rows_pos.append(p)
+                rows_tok.append(1000 * i + p if i >= 0 else -1)
+                rows_val.append(i)
+        total = len(rows_pos)
+        rows_pos += [0] * pad
+        rows_tok += [0] * pad
+        rows_val += [-7] * pad
+        layers = [
+            torch.tensor([encode(v, p, L) for v, p in zip(rows_val, rows_pos)], dtype=torch.float32)
+            for L in layer_ids
+        ]
+        layout = StepLayout(tuple(s[0] for s in sched), tuple(s[3] for s in sched))
+        assert layout.total == total
+        slicer.slice_step(layout, layers, rows_pos, rows_tok)
+        for rid, i, start, k in sched:
+            if i >= 0:
+                done[i] = min(lengths[i], start + k)
+    prompts = [[1000 * i + p for p in range(n)] for i, n in enumerate(lengths)]
+    return prompts, slicer
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_reassembly_is_exact(sc):
+    lengths, layer_ids, *_ = sc
+    prompts, slicer = simulate(*sc)
+    out = assemble(prompts, slicer.chunks, layer_ids, cat=lambda x: torch.cat(x, 0),
+                   check_finite=lambda t: bool(torch.isfinite(t).all()))
+    assert len(out) == len(prompts)
+    for i, per_layer in enumerate(out):
+        assert len(per_layer) == len(layer_ids)
+        for j, t in enumerate(per_layer):
+            assert t.dtype == torch.float32
+            expect = torch.tensor([encode(i, p, layer_ids[j]) for p in range(lengths[i])])
+            assert torch.equal(t, expect)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 10**6), st.integers(0, 10**6), st.sampled_from(["", "-0a1b2c3d", "-x"]))
+def test_request_ids_round_trip(call, index, suffix):
+    assert parse_request_id(make_request_id(call, index) + suffix) == (call, index)
+
+
+def test_foreign_ids_are_not_ours():
+    assert parse_request_id("0") is None
+    assert parse_request_id("e3c:1:2") == (1, 2)
+    assert parse_request_id("e3c:1:23") != (1, 2)
+
+
+def _one_prompt_slicer(rows, positions, token_ids, call=0):
+    s = StepSlicer(call=call)
+    layers = [torch.arange(len(positions), dtype=torch.float32)[:, None]]
+    s.slice_step(StepLayout((make_request_id(call, 0),), (rows,)), layers, positions, token_ids)
+    return s
+
+
+def test_missing_row_is_an_error():
+    s = _one_prompt_slicer(3, [0, 1, 3], [10, 11, 13])
+    with pytest.raises(CaptureError, match="prompt 0"):
+        assemble([[10, 11, 12, 13]], s.chunks, [0], cat=lambda x: torch.cat(x, 0))
+
+
+def test_wrong_tokens_are_an_error():
+    s = _one_prompt_slicer(3, [0, 1, 2], [10, 99, 12])
+    with pytest.raises(CaptureError, match="token ids"):
+        assemble([[10, 11, 12]], s.chunks, [0], cat=lambda x: torch.cat(x, 0))
+
+
+def test_incomplete_prompt_is_an_error():
+    s = _one_prompt_slicer(2, [0, 1], [10, 11])
+    with pytest.raises(CaptureError, match="2 of 3"):
+        assemble([[10, 11, 12]], s.chunks, [0], cat=lambda x: torch.cat(x, 0))
+
+
+def test_stale_call_rows_never_reach_results():
+    s = _one_prompt_slicer(3, [0, 1, 2], [10, 11, 12], call=0)
+    s2 = StepSlicer(call=1)
+    s2.slice_step(StepLayout((make_request_id(0, 0),), (3,)), [torch.zeros(3, 1)], [0, 1, 2], [10, 11, 12])
+    assert s2.chunks == {} and s2.foreign_rows == 3
+    assert s.chunks
+
+
+def test_non_finite_is_reported_with_prompt_and_layer():
+    s = StepSlicer(call=0)
+    layers = [torch.tensor([[0.0], [float("nan")]])]
+    s.slice_step(StepLayout((make_request_id(0, 0),), (2,)), layers, [0, 1], [5, 6])
+    with pytest.raises(CaptureError, match="prompt 0, layer 7: non-finite"):
+        assemble([[5, 6]], s.chunks, [7], cat=lambda x: torch.cat(x, 0),
+                 check_finite=lambda t: bool(torch.isfinite(t).all()))
+
+
+def test_layout_must_cover_rows():
+    s = StepSlicer(call=0)
+    with pytest.raises(CaptureError):
+        s.slice_step(StepLayout((make_request_id(0, 0),), (5,)), [torch.zeros(3, 1)], [0, 1, 2], None)

@@ -1,0 +1,183 @@
+"""apply() on the real engine: speculators 0.3.0's generator against the references.
+
+Each generator here starts the real vLLM engine (spawned processes) on a tiny
+random-weight model the session created.  Results are compared, per prompt
+and per layer, with Hugging Face transformers in float32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from prompts import mixed_prompts
+
+pytestmark = pytest.mark.engine
+
+MAX_MODEL_LEN = 1024
+LAYERS = [5, 0, 2]  # unsorted; first and last layer of a 6-layer model
+F32_TOL = 1e-4
+BF16_TOL = 5e-2
+
+
+@pytest.fixture(scope="module")
+def applied():
+    import eagle3_compat
+
+    eagle3_compat.revert()
+    report = eagle3_compat.apply(dtype="float32")
+    assert report.applied, str(report)
+    yield report
+    eagle3_compat.revert()
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return tiny_models("llama")
+
+
+@pytest.fixture(scope="module")
+def gen(applied, llama):
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    g = VllmHiddenStatesGenerator(str(llama), layer_ids=LAYERS, max_model_len=MAX_MODEL_LEN)
+    yield g
+    g.close()
+
+
+def _check(results, model, prompts, layers, tol):
+    from eagle3_compat.testing import compare, hf_layer_outputs
+
+    ref = hf_layer_outputs(model, prompts, layers)
+    return compare(results, ref, prompts, layers, tol)
+
+
+def test_many_prompts_chunked_and_reordered_match_reference(gen, llama):
+    # 45 prompts (> max_num_seqs = 32), ~20k tokens (> the 8192-token step
+    # budget, so prompts are chunked), duplicates and shared prefixes,
+    # lengths 1 .. max_model_len - 1.
+    prompts = mixed_prompts(45, MAX_MODEL_LEN - 1, seed=1)
+    assert sum(map(len, prompts)) > 8192
+    results = gen.generate(prompts)
+    assert [r["input_ids"].tolist() for r in results] == prompts
+    for r, p in zip(results, prompts):
+        assert [tuple(h.shape) for h in r["hidden_states"]] == [(len(p), 256)] * len(LAYERS)
+        assert r["loss_mask"] is None
+    worst = _check(results, llama, prompts, LAYERS, F32_TOL)
+    print(f"max relative error {worst:.2e}")
+
+
+def test_several_calls_on_one_generator(gen, llama):
+    a = mixed_prompts(5, 300, seed=2)
+    b = mixed_prompts(12, 700, seed=3)
+    ra = gen.generate(a)
+    rb = gen.generate(b)
+    ra2 = gen.generate(a)  # same prompts again: same states (no prefix-cache row loss)
+    _check(ra, llama, a, LAYERS, F32_TOL)
+    _check(rb, llama, b, LAYERS, F32_TOL)
+    _check(ra2, llama, a, LAYERS, F32_TOL)
+
+
+def test_tensor_input_and_single_token_prompt(gen, llama):
+    import torch
+
+    prompts = [[7], [9]]
+    results = gen.generate(torch.tensor(prompts))
+    _check(results, llama, prompts, LAYERS, F32_TOL)
+
+
+def test_truncation_keeps_0_3_0_behaviour_and_warns(gen, llama, capfd):
+    long = list(range(4, 4 + MAX_MODEL_LEN + 5))
+    short = [5, 6, 7]
+    results = gen.generate([short, long])
+    err = capfd.readouterr().err
+    assert "truncating 1 prompt(s)" in err and "[1]" in err
+    assert results[1]["input_ids"].tolist() == long[: MAX_MODEL_LEN - 1]
+    _check(results, llama, [short, long[: MAX_MODEL_LEN - 1]], LAYERS, F32_TOL)
+
+
+def test_worker_memory_returns_to_level(gen):
+    prompts = mixed_prompts(40, 900, seed=4)
+    gen.generate(prompts)
+    before = gen.llm.collective_rpc("e3c_memory")[0]
+    for _ in range(3):
+        gen.generate(prompts)
+    after = gen.llm.collective_rpc("e3c_memory")[0]
+    assert after["held_bytes"] == 0 == before["held_bytes"]
+    # the rows of one call are ~40*500*3*256*4 B = 60 MB; a leak of one call shows
+    assert after["rss"] - before["rss"] < 30 * 2**20, (before, after)
+
+
+def test_reference_checks_have_teeth(gen, llama):
+    """compare() must fail on a shifted row, swapped results and a wrong layer."""
+    from eagle3_compat.testing import compare, hf_layer_outputs
+
+    prompts = [[11, 12, 13, 14, 15, 16], [21, 22, 23, 24]]
+    results = gen.generate(prompts)
+    ref = hf_layer_outputs(llama, prompts, LAYERS)
+    compare(results, ref, prompts, LAYERS, F32_TOL)
+
+    import torch
+
+    shifted = [dict(r, hidden_states=[torch.roll(h, 1, 0) for h in r["hidden_states"]]) for r in results]
+    with pytest.raises(AssertionError):
+        compare(shifted, ref, prompts, LAYERS, F32_TOL)
+    swapped = [
+        dict(results[0], hidden_states=results[1]["hidden_states"]),
+        dict(results[1], hidden_states=results[0]["hidden_states"]),
+    ]
+    with pytest.raises(AssertionError):
+        compare(swapped, ref, prompts, LAYERS, F32_TOL)
+    wrong_layer = hf_layer_outputs(llama, prompts, [4, 1, 3])  # each id off by one
+    with pytest.raises(AssertionError):
+        compare(results, wrong_layer, prompts, LAYERS, F32_TOL)
+
+
+@pytest.mark.parametrize("family", ["qwen3"])
+def test_other_family_matches_reference(applied, tiny_models, family):
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    model = tiny_models(family)
+    prompts = mixed_prompts(6, 400, seed=5)
+    with VllmHiddenStatesGenerator(str(model), layer_ids=[1, 4], max_model_len=512) as g:
+        results = g.generate(prompts)
+    _check(results, model, prompts, [1, 4], F32_TOL)
+
+
+def test_bfloat16_within_5e_2(tiny_models):
+    import eagle3_compat
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    eagle3_compat.revert()
+    eagle3_compat.apply()  # dtype auto: the float32 checkpoint runs in bfloat16
+    try:
+        model = tiny_models("llama")
+        prompts = mixed_prompts(4, 200, seed=6)
+        with VllmHiddenStatesGenerator(str(model), layer_ids=[0, 3], max_model_len=256) as g:
+            results = g.generate(prompts)
+        import torch
+
+        assert results[0]["hidden_states"][0].dtype == torch.bfloat16
+        _check(results, model, prompts, [0, 3], BF16_TOL)
+    finally:
+        eagle3_compat.revert()
+
+
+def test_tensor_parallel_2(tiny_models, monkeypatch):
+    import eagle3_compat
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    eagle3_compat.revert()
+    eagle3_compat.apply(dtype="float32")
+    try:
+        model = tiny_models("llama")
+        prompts = mixed_prompts(35, 500, seed=7)
+        with VllmHiddenStatesGenerator(
+            str(model), layer_ids=[1, 5], max_model_len=512, tensor_parallel_size=2
+        ) as g:
+            results = g.generate(prompts)
+        _check(results, model, prompts, [1, 5], F32_TOL)
+    finally:
+        eagle3_compat.revert()
