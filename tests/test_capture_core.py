@@ -18,6 +18,7 @@ from eagle3_compat.capture import (
 )
 
 torch = pytest.importorskip("torch")
+from eagle3_compat.wire import pack, unpack  # noqa: E402
 
 HIDDEN = 3
 
@@ -93,7 +94,8 @@ def simulate(lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, se
 def test_reassembly_is_exact(sc):
     lengths, layer_ids, *_ = sc
     prompts, slicer = simulate(*sc)
-    out = assemble(prompts, slicer.chunks, layer_ids, cat=lambda x: torch.cat(x, 0),
+    chunks = unpack(pack(slicer.chunks, len(layer_ids)))  # as the RPC carries them
+    out = assemble(prompts, chunks, layer_ids, cat=lambda x: torch.cat(x, 0),
                    check_finite=lambda t: bool(torch.isfinite(t).all()))
     assert len(out) == len(prompts)
     for i, per_layer in enumerate(out):

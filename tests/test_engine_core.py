@@ -181,3 +181,17 @@ def test_tensor_parallel_2(tiny_models, monkeypatch):
         _check(results, model, prompts, [1, 5], F32_TOL)
     finally:
         eagle3_compat.revert()
+
+
+def test_matches_vllm_own_forward(gen, llama):
+    """Reference (2): vLLM's unpatched forward, hooks via LLM.apply_model, one prompt per step."""
+    from eagle3_compat.testing import compare, vllm_layer_outputs
+
+    prompts = mixed_prompts(4, 300, seed=8)
+    ref = vllm_layer_outputs(llama, prompts, LAYERS)
+    results = gen.generate(prompts)
+    worst = compare(results, ref, prompts, LAYERS, 1e-5)
+    print(f"max relative error vs vLLM's own forward {worst:.2e}")
+    wrong = vllm_layer_outputs(llama, prompts, [4, 1, 3])
+    with pytest.raises(AssertionError):
+        compare(results, wrong, prompts, LAYERS, 1e-5)

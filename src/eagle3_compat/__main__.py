@@ -26,7 +26,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     layer_ids = [0, 2, 5]
     prompts = [
-        list(range(4, 4 + n)) if i % 2 == 0 else [((7 * j) % 390) + 4 for j in range(n)]
+        [((j if i % 2 == 0 else 7 * j + i) % 390) + 4 for j in range(n)]
         for i, n in enumerate([1, 5, 37, 200, 511, 64])
     ]
     with tempfile.TemporaryDirectory(prefix="eagle3_compat-demo-") as tmp:

@@ -35,6 +35,7 @@ __all__ = [
     "StepLayout",
     "StepSlicer",
     "assemble",
+
     "make_request_id",
     "parse_request_id",
 ]
@@ -216,8 +217,8 @@ def assemble(
             )
         per_layer = []
         for j, layer_id in enumerate(layer_ids):
-            parts = [chunk.layers[j][lo:hi] for _, chunk, lo, hi in rows]
-            t = parts[0] if len(parts) == 1 else cat(parts)
+            # Always through cat: every result owns its memory (0.3.0 cloned too).
+            t = cat([chunk.layers[j][lo:hi] for _, chunk, lo, hi in rows])
             if t.shape[0] != n:
                 raise CaptureError(f"prompt {i}, layer {layer_id}: {t.shape[0]} rows for {n} tokens")
             if check_finite is not None and not check_finite(t):

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .capture import CaptureError, assemble, make_request_id
+from .wire import unpack
 from .logs import get_logger
 from .worker import WORKER_EXTENSION
 
@@ -229,7 +230,7 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
         raise CaptureError("eagle3_compat: expected captures from tensor-parallel rank 0 only")
     results = assemble(
         prompts,
-        captured["chunks"],
+        unpack(captured),
         self.layer_ids,
         cat=lambda parts: torch.cat(parts, dim=0),
         check_finite=lambda t: bool(torch.isfinite(t).all()),

@@ -171,8 +171,14 @@ def vllm_layer_outputs(
     dtype: str = "float32",
 ) -> list[list[Any]]:
     """Reference (2): vLLM's own forward, hooks via ``LLM.apply_model``, one prompt per step."""
+    import os  # noqa: PLC0415
+
     from vllm import LLM, SamplingParams  # noqa: PLC0415
 
+    # apply_model ships functions to the engine process with pickle; allow it
+    # for this reference engine only (it is read when the engine is spawned).
+    saved = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = LLM(
         model=str(model_path),
         dtype=dtype,
@@ -203,7 +209,12 @@ def vllm_layer_outputs(
             got = llm.apply_model(stop)[0]
             out.append([got[k][: len(p)] for k in ids])
     finally:
+        llm.llm_engine.engine_core.shutdown()
         del llm
+        if saved is None:
+            os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+        else:
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = saved
     return out
 
 

@@ -33,6 +33,7 @@ import os
 from typing import Any
 
 from .capture import StepLayout, StepSlicer
+from .wire import pack
 from .logs import get_logger
 
 __all__ = ["CaptureWorkerExtension", "WORKER_EXTENSION"]
@@ -160,7 +161,7 @@ class CaptureWorkerExtension:
             "num_layers": n_layers,
             "rank0": self._e3c_rank0,
             "dtype": str(next(model.parameters()).dtype),
-            "torch": torch.__version__,
+            "torch": str(torch.__version__),
         }
         log.info("capture hooks on %s layers %s (rank0=%s)", info["model"], layer_ids, self._e3c_rank0)
         return info
@@ -211,7 +212,9 @@ class CaptureWorkerExtension:
             raise RuntimeError(
                 f"eagle3_compat: capture was not armed for call {call} in this worker"
             )
-        return {"chunks": slicer.chunks, "steps": slicer.steps, "foreign_rows": slicer.foreign_rows}
+        wire = pack(slicer.chunks, len(self._e3c_layer_ids))
+        wire.update(steps=slicer.steps, foreign_rows=slicer.foreign_rows)
+        return wire
 
     def e3c_disarm(self) -> None:
         self._e3c_slicer = None
