@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from eagle3_compat import capture
 from eagle3_compat.capture import (
     CaptureError,
     StepLayout,
@@ -42,12 +43,13 @@ def scenarios(draw):
     return lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call
 
 
-def simulate(lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call):
+def simulate(lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call, core=None):
     """A toy scheduler: chunked prefill under a token budget, shuffled batch order,
     padding rows, optional decode rows and rows of another call's requests."""
+    core = core or capture
     rng = random.Random(seed)
     done = [0] * len(lengths)
-    slicer = StepSlicer(call=call)
+    slicer = core.StepSlicer(call=call)
     while any(d < n for d, n in zip(done, lengths)):
         running = [i for i, (d, n) in enumerate(zip(done, lengths)) if d < n][:max_seqs]
         left = budget
@@ -79,7 +81,7 @@ def simulate(lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, se
             torch.tensor([encode(v, p, L) for v, p in zip(rows_val, rows_pos)], dtype=torch.float32)
             for L in layer_ids
         ]
-        layout = StepLayout(tuple(s[0] for s in sched), tuple(s[3] for s in sched))
+        layout = core.StepLayout(tuple(s[0] for s in sched), tuple(s[3] for s in sched))
         assert layout.total == total
         slicer.slice_step(layout, layers, rows_pos, rows_tok)
         for rid, i, start, k in sched:
@@ -89,21 +91,26 @@ def simulate(lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, se
     return prompts, slicer
 
 
-@settings(max_examples=150, deadline=None)
-@given(scenarios())
-def test_reassembly_is_exact(sc):
+def check_reassembly(sc, core=None):
+    core = core or capture
     lengths, layer_ids, *_ = sc
-    prompts, slicer = simulate(*sc)
+    prompts, slicer = simulate(*sc, core=core)
     chunks = unpack(pack(slicer.chunks, len(layer_ids)))  # as the RPC carries them
-    out = assemble(prompts, chunks, layer_ids, cat=lambda x: torch.cat(x, 0),
-                   check_finite=lambda t: bool(torch.isfinite(t).all()))
+    out = core.assemble(prompts, chunks, layer_ids, cat=lambda x: torch.cat(x, 0),
+                        check_finite=lambda t: bool(torch.isfinite(t).all()))
     assert len(out) == len(prompts)
     for i, per_layer in enumerate(out):
         assert len(per_layer) == len(layer_ids)
         for j, t in enumerate(per_layer):
             assert t.dtype == torch.float32
             expect = torch.tensor([encode(i, p, layer_ids[j]) for p in range(lengths[i])])
-            assert torch.equal(t, expect)
+            assert torch.equal(t, expect), (i, layer_ids[j])
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_reassembly_is_exact(sc):
+    check_reassembly(sc)
 
 
 @settings(max_examples=50, deadline=None)

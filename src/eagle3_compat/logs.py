@@ -21,6 +21,21 @@ __all__ = ["get_logger"]
 _ROOT = "eagle3_compat"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time (test captures, redirections)."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def _configure() -> None:
     root = logging.getLogger(_ROOT)
     if getattr(root, "_e3c_configured", False):
@@ -30,7 +45,7 @@ def _configure() -> None:
         level_name = "DEBUG"
     level = logging.getLevelName(level_name)
     root.setLevel(level if isinstance(level, int) else logging.INFO)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(
         logging.Formatter(f"%(levelname)s eagle3_compat[{os.getpid()}] %(name)s: %(message)s")
     )
