@@ -228,11 +228,24 @@ class CaptureWorkerExtension:
             del self.model_runner.execute_model  # type: ignore[attr-defined]
             self._e3c_original_execute = None
 
-    def e3c_memory(self) -> dict[str, int]:
-        """Resident memory of this worker process, for the bounded-memory tests."""
+    def e3c_memory(self, trim: bool = True) -> dict[str, int]:
+        """Resident memory of this worker process, for the bounded-memory tests.
+
+        ``trim`` first asks glibc to return freed heap pages to the system, so
+        that the number reflects what is held rather than allocator caching.
+        """
+        import ctypes  # noqa: PLC0415
+        import gc  # noqa: PLC0415
         import resource  # noqa: PLC0415
 
         import psutil  # noqa: PLC0415
+
+        if trim:
+            gc.collect()
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except (OSError, AttributeError):
+                pass
 
         rss = psutil.Process().memory_info().rss
         held = 0
