@@ -14,6 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+# MLA attention has no CPU implementation; DeepseekV2/V3 decoder layers are
+# the same with it disabled (findings §1).
+os.environ.setdefault("VLLM_MLA_DISABLE", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 

@@ -96,8 +96,14 @@ def generator_init(
     self.tensor_parallel_size = tensor_parallel_size
     self._request_counter = 0
     self._e3c_closed = True
-    if not os.path.exists(model_path) and os.path.sep in model_path:
+    if not isinstance(model_path, (str, os.PathLike)):
+        raise ValueError(f"model_path must be a path or model id, got {type(model_path).__name__}")
+    model_path = os.fspath(model_path)
+    if not os.path.exists(model_path) and (
+        model_path.startswith((".", "/", "~")) or model_path.count("/") != 1
+    ):
         raise ValueError(f"model_path {model_path!r} does not exist")
+    _check_parallel(tensor_parallel_size)
     self.tokenizer = AutoTokenizer.from_pretrained(model_path)
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
     num_layers = _num_layers(config)
@@ -146,6 +152,21 @@ def generator_init(
     infos = self.llm.collective_rpc("e3c_setup", args=(self.layer_ids,))
     self._e3c_worker_info = infos[0]
     log.info("capture ready: %s", infos[0])
+
+
+def _check_parallel(tp: Any) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
+    if tp == 1:
+        return
+    import torch  # noqa: PLC0415
+
+    if torch.cuda.is_available():
+        available, what = torch.cuda.device_count(), "CUDA devices"
+    else:
+        available, what = os.cpu_count() or 1, "CPU cores (vLLM's CPU backend needs one per rank)"
+    if tp > available:
+        raise ValueError(f"tensor_parallel_size={tp} but only {available} {what} are available")
 
 
 def _as_prompt_list(token_ids: Any) -> list[list[int]]:
@@ -221,10 +242,21 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
             engine.add_request(rid, {"prompt_token_ids": ids}, params)
         while engine.has_unfinished_requests():
             engine.step()
-    except BaseException:
+        replies = self.llm.collective_rpc("e3c_fetch", args=(call,))
+    except Exception as exc:
+        if _engine_dead(self):
+            generator_close(self)
+            raise RuntimeError(
+                "the vLLM engine of this VllmHiddenStatesGenerator died during generate() "
+                f"({type(exc).__name__}: {exc}); the generator is closed. Look above for the "
+                "engine process's own error (out of memory, a killed worker, ...)."
+            ) from exc
         _abort(self, req_ids)
         raise
-    replies = self.llm.collective_rpc("e3c_fetch", args=(call,))
+    except BaseException:
+        # KeyboardInterrupt / SystemExit: do not leave engine processes behind.
+        generator_close(self)
+        raise
     captured = replies[0]
     if captured is None or any(r is not None for r in replies[1:]):
         raise CaptureError("eagle3_compat: expected captures from tensor-parallel rank 0 only")
@@ -250,6 +282,12 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
         }
         for ids, states in zip(prompts, results)
     ]
+
+
+def _engine_dead(self: Any) -> bool:
+    core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
+    resources = getattr(core, "resources", None)
+    return bool(getattr(resources, "engine_dead", False))
 
 
 def _abort(self: Any, req_ids: list[str]) -> None:

@@ -58,10 +58,29 @@ def _config(family: str, vocab: int, layers: int, hidden: int) -> dict[str, Any]
     if family == "qwen3":
         return {**common, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
                 "rope_theta": 1000000.0, "attention_bias": False, "use_sliding_window": False}
+    if family in ("deepseek_v3", "deepseek_v3_l4s"):
+        # Kimi-K2 / DeepSeek-V3 layout at toy size: dense first layer, MoE after
+        # it, MLA dimensions (qk 64 + 32 rope, v 64).  vLLM's loader needs
+        # noaux_tc + sigmoid for the e_score_correction_bias weights.  On the CPU
+        # the engine runs it with VLLM_MLA_DISABLE=1 (same decoder layers).
+        cfg = {**common, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+               "num_key_value_heads": heads, "moe_intermediate_size": hidden // 2,
+               "n_shared_experts": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+               "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+               "first_k_dense_replace": 1, "moe_layer_freq": 1, "norm_topk_prob": True,
+               "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+               "kv_lora_rank": 64, "q_lora_rank": None, "qk_nope_head_dim": 64,
+               "qk_rope_head_dim": 32, "v_head_dim": 64, "rope_theta": 10000.0,
+               "rope_scaling": None, "attention_bias": False}
+        cfg.pop("head_dim")
+        if family == "deepseek_v3_l4s":
+            # Mistral-Large-3 style: queries scaled by position past 16 tokens.
+            cfg["llama_4_scaling"] = {"original_max_position_embeddings": 16, "beta": 0.5}
+        return cfg
     raise ValueError(f"unknown tiny-model family {family!r}; known: {FAMILIES}")
 
 
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "deepseek_v3", "deepseek_v3_l4s")
 
 
 def _tokenizer(path: Path) -> None:
