@@ -29,13 +29,19 @@ def _have(mod: str) -> bool:
 HAVE_ENGINE = _have("vllm") and _have("speculators") and _have("torch")
 
 
+FULL = os.environ.get("E3C_SUITE", "full") == "full"
+
+
 def pytest_collection_modifyitems(config, items):
-    if HAVE_ENGINE:
-        return
-    skip = pytest.mark.skip(reason="vllm/speculators/torch not installed (run through tox)")
+    no_engine = pytest.mark.skip(reason="vllm/speculators/torch not installed (run through tox)")
+    core_only = pytest.mark.skip(
+        reason="extended test: runs in the oldest and newest vLLM envs (E3C_SUITE=full runs it here)"
+    )
     for item in items:
-        if "engine" in item.keywords:
-            item.add_marker(skip)
+        if "engine" in item.keywords and not HAVE_ENGINE:
+            item.add_marker(no_engine)
+        elif "extended" in item.keywords and not FULL:
+            item.add_marker(core_only)
 
 
 @pytest.fixture(scope="session")

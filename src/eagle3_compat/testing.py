@@ -28,6 +28,7 @@ __all__ = [
     "hf_layer_outputs",
     "make_tiny_model",
     "max_rel_error",
+    "vllm_batching_drift",
     "vllm_layer_outputs",
 ]
 
@@ -235,6 +236,35 @@ def vllm_layer_outputs(
         else:
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = saved
     return out
+
+
+def vllm_batching_drift(
+    model_path: str | Path, prompts: Sequence[Sequence[int]], dtype: str = "float32"
+) -> float:
+    """How much vLLM's *own* results depend on batching, for this model on this machine.
+
+    Largest difference (nats) between vLLM's prompt log-probabilities when the
+    prompts run one per call and all in one call.  No capture involved: a
+    non-zero value is vLLM's behaviour, not ours.
+    """
+    from vllm import LLM, SamplingParams  # noqa: PLC0415
+
+    llm = LLM(model=str(model_path), dtype=dtype, enforce_eager=True, compilation_config=0,
+              enable_prefix_caching=False, max_model_len=max(len(p) for p in prompts) + 8, seed=0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+    def logprobs(outs: Any) -> list[list[float]]:
+        return [[next(iter(d.values())).logprob if d else 0.0 for d in o.prompt_logprobs]
+                for o in outs]
+
+    try:
+        single = [logprobs(llm.generate([{"prompt_token_ids": list(p)}], params, use_tqdm=False))[0]
+                  for p in prompts]
+        batched = logprobs(llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
+                                        use_tqdm=False))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return max(abs(a - b) for s, b_ in zip(single, batched) for a, b in zip(s, b_))
 
 
 def max_rel_error(got: Any, ref: Any) -> float:
