@@ -17,6 +17,7 @@ def mixed_prompts(n: int, max_len: int, vocab: int = 400, seed: int = 0) -> list
             length = rng.choice([rng.randint(1, 64), rng.randint(64, max_len)])
         prompts.append([rng.randrange(4, vocab) for _ in range(length)])
     # a duplicated prompt, and one sharing a long prefix with another
-    prompts[n // 2] = list(prompts[3])
-    prompts[n // 3] = prompts[2][: max_len // 2] + [rng.randrange(4, vocab) for _ in range(9)]
+    if n >= 6:
+        prompts[n // 2] = list(prompts[3])
+        prompts[n // 3] = prompts[2][: max_len // 2] + [rng.randrange(4, vocab) for _ in range(9)]
     return prompts

@@ -18,6 +18,7 @@ each worker recorded per step, and checked on every call.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import os
 from collections.abc import Sequence
@@ -149,7 +150,7 @@ def generator_init(
     self.vllm_config = self.llm.llm_engine.vllm_config
     self.executor = None  # 0.3.0 attribute; the engine owns its executor now
     self.scheduler = None
-    infos = self.llm.collective_rpc("e3c_setup", args=(self.layer_ids,))
+    infos = _rpc(self, "e3c_setup", self.layer_ids)
     self._e3c_worker_info = infos[0]
     log.info("capture ready: %s", infos[0])
 
@@ -235,18 +236,18 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
     self._request_counter += 1
     engine = self.llm.llm_engine
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    self.llm.collective_rpc("e3c_arm", args=(call,))
     req_ids = [make_request_id(call, i) for i in range(len(prompts))]
     try:
+        _rpc(self, "e3c_arm", call)
         for rid, ids in zip(req_ids, prompts):
             engine.add_request(rid, {"prompt_token_ids": ids}, params)
         while engine.has_unfinished_requests():
             engine.step()
-        replies = self.llm.collective_rpc("e3c_fetch", args=(call,))
+        replies = _rpc(self, "e3c_fetch", call)
     except Exception as exc:
-        if _engine_dead(self):
+        if isinstance(exc, EngineDiedError) or _engine_dead(self):
             generator_close(self)
-            raise RuntimeError(
+            raise EngineDiedError(
                 "the vLLM engine of this VllmHiddenStatesGenerator died during generate() "
                 f"({type(exc).__name__}: {exc}); the generator is closed. Look above for the "
                 "engine process's own error (out of memory, a killed worker, ...)."
@@ -284,6 +285,33 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
     ]
 
 
+class EngineDiedError(RuntimeError):
+    """The generator's vLLM engine process died; the generator is closed."""
+
+
+def _rpc(self: Any, method: str, *args: Any) -> list[Any]:
+    """``collective_rpc`` that cannot hang on a dead engine.
+
+    vLLM's client waits on the reply of a utility call without a deadline; if
+    the engine process dies (OOM killer, a crashed worker) that wait never
+    ends (seen with vLLM 0.16).  The call runs in a helper thread while this
+    one watches the engine's liveness flag.
+    """
+    if _engine_dead(self):
+        raise EngineDiedError(f"the vLLM engine is dead (before {method})")
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="e3c-rpc")
+    try:
+        fut = pool.submit(self.llm.collective_rpc, method, args=args)
+        while True:
+            try:
+                return fut.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                if _engine_dead(self):
+                    raise EngineDiedError(f"the vLLM engine died during {method}") from None
+    finally:
+        pool.shutdown(wait=False)
+
+
 def _engine_dead(self: Any) -> bool:
     core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
     resources = getattr(core, "resources", None)
@@ -295,7 +323,7 @@ def _abort(self: Any, req_ids: list[str]) -> None:
         self.llm.llm_engine.abort_request(req_ids)
         while self.llm.llm_engine.has_unfinished_requests():
             self.llm.llm_engine.step()
-        self.llm.collective_rpc("e3c_disarm")
+        _rpc(self, "e3c_disarm")
     except Exception:  # the engine may be gone; the original error matters
         log.debug("abort after a failed call also failed", exc_info=True)
 
