@@ -53,6 +53,82 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eagle3_compat.dataset import run_generate
+
+    layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
+    manifest = run_generate(
+        model=args.model,
+        input_path=Path(args.input),
+        output=Path(args.output),
+        layer_ids=layer_ids,
+        max_model_len=args.max_model_len,
+        batch_size=args.batch_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+    )
+    print(
+        f"{manifest['samples']} samples in {args.output} ({manifest['written_this_run']} written now, "
+        f"{manifest['tokens_this_run']} tokens in {manifest['seconds_this_run']:.1f}s)"
+    )
+    return 0
+
+
+def _doctor(_args: argparse.Namespace) -> int:
+    """Versions, adapters and worker-side checks; non-zero exit when something would fail."""
+    import importlib
+    import multiprocessing
+
+    import eagle3_compat
+    from eagle3_compat.versions import detect
+
+    found = detect()
+    problems: list[str] = []
+    rows = [
+        ("vllm", f"{found.vllm} ({found.vllm_dist})" if found.vllm else "NOT INSTALLED"),
+        ("vllm build", "cpu" if found.vllm and "cpu" in found.vllm else ("cuda/other" if found.vllm else "-")),
+        ("speculators", found.speculators or "NOT INSTALLED"),
+        ("torch", found.torch or "NOT INSTALLED"),
+        ("transformers", found.transformers or "NOT INSTALLED"),
+    ]
+    try:
+        import torch
+
+        rows.append(("cuda devices", str(torch.cuda.device_count() if torch.cuda.is_available() else 0)))
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"torch does not import: {exc}")
+    try:
+        report = eagle3_compat.apply()
+        rows += [(f"adapter {a}", "applies (probe ok)") for a in report.active]
+        rows += [(f"adapter {a}", f"skipped: {why}") for a, why in report.skipped.items()]
+        if not report.applied:
+            problems.append(f"apply() did not apply: {report.note}")
+        eagle3_compat.revert()
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"apply() failed: {exc}")
+    try:
+        from eagle3_compat.worker import WORKER_EXTENSION
+
+        mod, _, cls = WORKER_EXTENSION.rpartition(".")
+        getattr(importlib.import_module(mod), cls)
+        rows.append(("worker extension", f"{WORKER_EXTENSION} importable (workers import it by name)"))
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"worker extension not importable: {exc}")
+    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "(vLLM default)")
+    rows.append(("worker start method", f"{method}; this process: {multiprocessing.get_start_method()}"))
+    rows.append(("log level", os.environ.get("EAGLE3_COMPAT_LOG_LEVEL", "INFO")
+                 + (" + debug" if os.environ.get("EAGLE3_COMPAT_DEBUG") else "")))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k.ljust(width)}  {v}")
+    for p in problems:
+        print(f"PROBLEM: {p}")
+    print("OK" if not problems else f"{len(problems)} problem(s)")
+    return 0 if not problems else 1
+
+
 def _status(_args: argparse.Namespace) -> int:
     import eagle3_compat
 
@@ -65,8 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="extract hidden states from a tiny local model and check them")
     sub.add_parser("status", help="versions found and adapters (without applying)")
+    sub.add_parser("doctor", help="check versions, adapters and the worker side; exit 1 on problems")
+    g = sub.add_parser("generate", help="extract hidden states for a JSONL of prompts into speculators' format")
+    g.add_argument("--model", required=True, help="model path (or id already in the HF cache)")
+    g.add_argument("--input", required=True, help="JSONL: token-id lists, {input_ids}, or {conversations}")
+    g.add_argument("--output", required=True, help="output folder (resumable)")
+    g.add_argument("--layer-ids", default=None, help="comma-separated decoder layer ids (default: 0.3.0's)")
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--batch-size", type=int, default=64, help="prompts per generate() call")
+    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--dtype", default=None, choices=[None, "auto", "float32", "bfloat16", "float16"])
     args = ap.parse_args(argv)
-    return {"demo": _demo, "status": _status}[args.cmd](args)
+    return {"demo": _demo, "status": _status, "doctor": _doctor, "generate": _generate}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,190 @@
+"""The main job: a JSONL of prompts in, speculators' training files out.
+
+Output layout: one ``.pt`` file per sample in speculators 0.3.0's "v1"
+format (what ``speculators.train.data.Eagle3SampleFileDataset`` reads):
+``{"input_ids": LongTensor[T], "loss_mask": LongTensor[T], "hidden_states":
+[Tensor[T, H] per layer id]}``, plus ``manifest.json``.
+
+Resumable: sample ``i`` is written to ``sample_{i:09d}.pt`` through a
+temporary file and an atomic rename, so a file either exists whole or not
+at all; a rerun skips the samples whose files exist and computes the rest.
+Each sample is validated (rows equal tokens, finite) before it is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .logs import get_logger
+
+__all__ = ["Sample", "read_jsonl", "run_generate", "sample_path"]
+
+log = get_logger("eagle3_compat.dataset")
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class Sample:
+    index: int
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def sample_path(out: Path, index: int) -> Path:
+    return out / f"sample_{index:09d}.pt"
+
+
+def _conversation_sample(tokenizer: Any, conv: list[dict], max_length: int, pattern: str) -> tuple[list[int], list[int]]:
+    # speculators 0.3.0's own preprocessing, one conversation at a time: its
+    # batch function drops a failing conversation without a word, which would
+    # shift every later sample; here a failure names the line.
+    from speculators.data_generation.preprocessing import _preprocess_batch  # noqa: PLC0415
+
+    out = _preprocess_batch({"conversations": [conv]}, tokenizer, max_length, pattern)
+    if len(out["input_ids"]) != 1:
+        raise ValueError("speculators' preprocessing rejected this conversation")
+    return out["input_ids"][0].tolist(), out["loss_mask"][0].tolist()
+
+
+def read_jsonl(path: Path, tokenizer: Any, max_length: int) -> Iterator[Sample]:
+    """Samples from a JSONL file: each line a list of token ids, an object with
+    ``input_ids`` (and optional ``loss_mask``), or an object with
+    ``conversations`` / ``messages`` (chat turns, tokenized with the model's
+    chat template by speculators' preprocessing, loss mask on assistant turns)."""
+    pattern = None
+    with open(path) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            index = lineno - 1
+            try:
+                rec = json.loads(line)
+                if isinstance(rec, list):
+                    ids, mask = rec, [1] * len(rec)
+                elif "input_ids" in rec:
+                    ids = rec["input_ids"]
+                    mask = rec.get("loss_mask") or [1] * len(ids)
+                elif "conversations" in rec or "messages" in rec:
+                    if pattern is None:
+                        from speculators.data_generation.preprocessing import (  # noqa: PLC0415
+                            _detect_assistant_pattern,
+                        )
+
+                        pattern = _detect_assistant_pattern(tokenizer)
+                    conv = rec.get("conversations") or rec.get("messages")
+                    ids, mask = _conversation_sample(tokenizer, conv, max_length, pattern)
+                else:
+                    raise ValueError("expected a list of token ids, input_ids, conversations or messages")
+                if len(mask) != len(ids):
+                    raise ValueError(f"loss_mask has {len(mask)} entries for {len(ids)} tokens")
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(f"{path}:{lineno}: {exc}") from exc
+            yield Sample(index=index, input_ids=list(ids), loss_mask=[int(m) for m in mask])
+
+
+def _validate(result: dict[str, Any], sample: Sample, layer_ids: Sequence[int]) -> None:
+    import torch  # noqa: PLC0415
+
+    n = len(result["input_ids"])
+    states = result["hidden_states"]
+    if len(states) != len(layer_ids):
+        raise RuntimeError(f"sample {sample.index}: {len(states)} tensors for layers {list(layer_ids)}")
+    for k, h in zip(layer_ids, states):
+        if h.dim() != 2 or h.shape[0] != n:
+            raise RuntimeError(f"sample {sample.index}, layer {k}: shape {tuple(h.shape)} for {n} tokens")
+        if not bool(torch.isfinite(h).all()):
+            raise RuntimeError(f"sample {sample.index}, layer {k}: non-finite values")
+
+
+def _write_atomic(path: Path, obj: Any) -> None:
+    import torch  # noqa: PLC0415
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def run_generate(
+    model: str,
+    input_path: Path,
+    output: Path,
+    layer_ids: list[int] | None,
+    max_model_len: int,
+    batch_size: int,
+    tensor_parallel_size: int,
+    dtype: str | None,
+) -> dict[str, Any]:
+    import torch  # noqa: PLC0415
+
+    import eagle3_compat  # noqa: PLC0415
+
+    status = eagle3_compat.apply(dtype=dtype)
+    if not status.applied:
+        raise RuntimeError(f"eagle3_compat could not apply:\n{status}")
+    from speculators.data_generation import VllmHiddenStatesGenerator  # noqa: PLC0415
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    output.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    samples = list(read_jsonl(input_path, tokenizer, max_model_len - 1))
+    todo = [s for s in samples if not sample_path(output, s.index).exists()]
+    log.info("%d samples, %d already written, %d to do", len(samples), len(samples) - len(todo), len(todo))
+    tokens = 0
+    t0 = time.perf_counter()
+    with VllmHiddenStatesGenerator(
+        model, layer_ids=layer_ids, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size
+    ) as gen:
+        layer_ids = list(gen.layer_ids)
+        try:
+            from tqdm import tqdm  # noqa: PLC0415
+
+            bar = tqdm(total=len(todo), unit="sample", desc="extracting")
+        except ImportError:  # pragma: no cover
+            bar = None
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            results = gen.generate([s.input_ids for s in batch])
+            for sample, res in zip(batch, results):
+                _validate(res, sample, layer_ids)
+                n = len(res["input_ids"])  # may be truncated to max_model_len - 1
+                _write_atomic(
+                    sample_path(output, sample.index),
+                    {
+                        "input_ids": res["input_ids"],
+                        "loss_mask": torch.tensor(sample.loss_mask[:n], dtype=torch.long),
+                        "hidden_states": res["hidden_states"],
+                    },
+                )
+                tokens += n
+            if bar is not None:
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+        if bar is not None:
+            bar.close()
+    found = eagle3_compat.status().found
+    manifest = {
+        "format": "speculators-eagle3-v1",
+        "model": model,
+        "layer_ids": layer_ids,
+        "layer_convention": "output of decoder layer k before the final norm (HF hidden_states[k+1])",
+        "samples": len(samples),
+        "written_this_run": len(todo),
+        "tokens_this_run": tokens,
+        "seconds_this_run": round(time.perf_counter() - t0, 3),
+        "max_model_len": max_model_len,
+        "versions": {
+            "eagle3_compat": eagle3_compat.__version__,
+            "vllm": found.vllm,
+            "speculators": found.speculators,
+            "torch": found.torch,
+            "transformers": found.transformers,
+        },
+    }
+    (output / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest

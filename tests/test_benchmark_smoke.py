@@ -1,0 +1,23 @@
+"""The benchmark script runs on a tiny workload and prints its table (no timing asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.extended]
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "extraction.py"
+
+
+def test_benchmark_quick_prints_table():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--modes", "prefill,compat"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = [ln for ln in proc.stdout.splitlines() if ln.startswith("| h256-l6 ")]
+    assert len(table) == 2, proc.stdout
+    compat = next(ln for ln in table if "| compat |" in ln)
+    assert "failed" not in compat

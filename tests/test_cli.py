@@ -1,0 +1,100 @@
+"""The command line, run as a subprocess against the real engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "eagle3_compat", *args], capture_output=True,
+                          text=True, timeout=600, **kw)
+
+
+def test_doctor_reports_and_exits_zero():
+    proc = cli("doctor")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "adapter generator-engine" in proc.stdout and proc.stdout.strip().endswith("OK")
+
+
+@pytest.mark.extended
+def test_doctor_fails_on_unsupported_version():
+    env = dict(os.environ, EAGLE3_COMPAT_VLLM_VERSION="0.99.0")
+    proc = cli("doctor", env=env)
+    assert proc.returncode == 1 and "0.99.0" in proc.stdout
+
+
+@pytest.mark.extended
+def test_demo_prints_table_and_passes():
+    proc = cli("demo")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "max rel err" in proc.stdout and "(OK)" in proc.stdout
+
+
+def _write_input(path):
+    lines = [list(range(4, 4 + n)) for n in (5, 30, 1, 77, 12, 50, 8, 40)]
+    lines[3] = {"input_ids": lines[3], "loss_mask": [0] * 10 + [1] * 67}
+    lines[6] = {"conversations": [{"from": "human", "value": "w1 w2 w3"},
+                                  {"from": "gpt", "value": "w4 w5 w6 w7"}]}
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return len(lines)
+
+
+@pytest.mark.extended
+def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_models):
+    import torch
+    from speculators.train.data import Eagle3SampleFileDataset
+
+    from eagle3_compat.testing import hf_layer_outputs, max_rel_error
+
+    model = tiny_models("llama")
+    inp = tmp_path / "in.jsonl"
+    n = _write_input(inp)
+    out = tmp_path / "out"
+    args = ["generate", "--model", str(model), "--input", str(inp), "--output", str(out),
+            "--layer-ids", "0,2,5", "--max-model-len", "128", "--batch-size", "2", "--dtype", "float32"]
+    # first run: killed as soon as the first samples are on disk
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3_compat", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not list(out.glob("sample_*.pt")) and proc.poll() is None:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = {p.name: p.stat().st_mtime_ns for p in out.glob("sample_*.pt")}
+    assert 0 < len(first) < n
+    # second run completes the rest, leaves the first run's files alone
+    done = cli(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = sorted(out.glob("sample_*.pt"))
+    assert [p.name for p in files] == [f"sample_{i:09d}.pt" for i in range(n)]
+    assert all(p.stat().st_mtime_ns == first[p.name] for p in files if p.name in first)
+    assert not list(out.glob(".*.tmp"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["samples"] == n and manifest["written_this_run"] == n - len(first)
+    assert manifest["layer_ids"] == [0, 2, 5]
+    # the files are right: against the HF reference
+    for i, p in enumerate(files):
+        data = torch.load(p, weights_only=True)
+        ids = data["input_ids"].tolist()
+        ref = hf_layer_outputs(model, [ids], [0, 2, 5])[0]
+        for h, r in zip(data["hidden_states"], ref):
+            assert max_rel_error(h, r) < 1e-4, (i, p)
+        assert data["loss_mask"].shape == data["input_ids"].shape
+    assert torch.load(files[3], weights_only=True)["loss_mask"].tolist() == [0] * 10 + [1] * 67
+    conv_mask = torch.load(files[6], weights_only=True)["loss_mask"]
+    assert 0 < int(conv_mask.sum()) < len(conv_mask)  # assistant turn only
+    # and speculators' own training dataset reads them
+    ds = Eagle3SampleFileDataset(max_len=128, datapath=str(out))
+    assert len(ds) == n
+    item = ds[1]
+    assert item["hidden_states"].shape[-1] == 2 * 256  # layers 0 and 2 concatenated
+    assert item["verifier_last_hidden_states"].shape[-1] == 256
