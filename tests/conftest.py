@@ -67,3 +67,11 @@ def tiny_models(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture
+def applied_f32():
+    """speculators' generator patched, engine dtype float32 (for tight references)."""
+    from eagle3_compat.testing import ensure_applied
+
+    return ensure_applied("float32")

@@ -11,32 +11,15 @@ import os
 
 import pytest
 
+from eagle3_compat.testing import ensure_applied
 from prompts import mixed_prompts
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("applied_f32")]
 
 MAX_MODEL_LEN = 1024
 LAYERS = [5, 0, 2]  # unsorted; first and last layer of a 6-layer model
 F32_TOL = 1e-4
 BF16_TOL = 5e-2
-
-
-def ensure_applied(dtype):
-    """apply() with ``dtype`` in effect (methods are looked up at call time, so
-    generators built earlier keep working across a revert/re-apply)."""
-    import eagle3_compat
-
-    st = eagle3_compat.status()
-    if not (st.applied and st.options == {"dtype": dtype}):
-        eagle3_compat.revert()
-        st = eagle3_compat.apply(dtype=dtype)
-    assert st.applied, str(st)
-    return st
-
-
-@pytest.fixture(autouse=True)
-def applied():
-    return ensure_applied("float32")
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,7 @@ import pytest
 
 from prompts import mixed_prompts
 
-pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(autouse=True)
-def applied():
-    import eagle3_compat
-
-    st = eagle3_compat.status()
-    if not (st.applied and st.options == {"dtype": "float32"}):
-        eagle3_compat.revert()
-        eagle3_compat.apply(dtype="float32")
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("applied_f32")]
 
 
 def _one_by_one(gen, prompts):

@@ -13,19 +13,12 @@ from hypothesis import strategies as st
 
 from prompts import mixed_prompts
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("applied_f32")]
+
 
 LAYERS = [1, 4]
 
 
-@pytest.fixture(autouse=True)
-def applied():
-    import eagle3_compat
-
-    st_ = eagle3_compat.status()
-    if not (st_.applied and st_.options == {"dtype": "float32"}):
-        eagle3_compat.revert()
-        eagle3_compat.apply(dtype="float32")
 
 
 def engine_children():
@@ -44,10 +37,9 @@ def model(tiny_models):
 def gen(model):
     from speculators.data_generation import VllmHiddenStatesGenerator
 
-    import eagle3_compat
+    from eagle3_compat.testing import ensure_applied
 
-    eagle3_compat.revert()
-    eagle3_compat.apply(dtype="float32")
+    ensure_applied("float32")
     g = VllmHiddenStatesGenerator(str(model), layer_ids=LAYERS, max_model_len=256)
     yield g
     g.close()

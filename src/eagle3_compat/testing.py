@@ -25,6 +25,7 @@ from typing import Any
 __all__ = [
     "FAMILIES",
     "compare",
+    "ensure_applied",
     "hf_layer_outputs",
     "make_tiny_model",
     "max_rel_error",
@@ -131,6 +132,23 @@ def make_tiny_model(
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer(path)
     return path
+
+
+def ensure_applied(dtype: str | None = "float32") -> Any:
+    """apply() with ``dtype`` in effect, re-applying if other options are active.
+
+    Generator methods are looked up on the class at call time, so generators
+    built earlier keep working across a revert/re-apply.
+    """
+    import eagle3_compat  # noqa: PLC0415
+
+    st = eagle3_compat.status()
+    if not (st.applied and st.options == {"dtype": dtype}):
+        eagle3_compat.revert()
+        st = eagle3_compat.apply(dtype=dtype)
+    if not st.applied:
+        raise RuntimeError(f"eagle3_compat did not apply:\n{st}")
+    return st
 
 
 def _layer_out(out: Any) -> Any:
