@@ -7,6 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from eagle3_compat import capture
 from eagle3_compat.capture import (
@@ -24,16 +25,12 @@ from eagle3_compat.wire import pack, unpack  # noqa: E402
 HIDDEN = 3
 
 
-def encode(prompt: int, pos: int, layer: int) -> list[float]:
-    return [float(prompt), float(pos), float(layer)]
-
-
 @st.composite
 def scenarios(draw):
     n = draw(st.integers(1, 8))
-    lengths = draw(st.lists(st.integers(1, 300), min_size=n, max_size=n))
+    lengths = draw(st.lists(st.one_of(st.integers(1, 64), st.integers(1, 3000)), min_size=n, max_size=n))
     layer_ids = draw(st.lists(st.integers(0, 60), min_size=1, max_size=4, unique=True))
-    budget = draw(st.integers(1, 400))
+    budget = draw(st.one_of(st.integers(1, 400), st.integers(400, 8192)))
     max_seqs = draw(st.integers(1, 5))
     pad = draw(st.integers(0, 7))
     decode_rows = draw(st.booleans())
@@ -77,10 +74,9 @@ def simulate(lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, se
         rows_pos += [0] * pad
         rows_tok += [0] * pad
         rows_val += [-7] * pad
-        layers = [
-            torch.tensor([encode(v, p, L) for v, p in zip(rows_val, rows_pos)], dtype=torch.float32)
-            for L in layer_ids
-        ]
+        vals = torch.tensor(rows_val, dtype=torch.float32)
+        poss = torch.tensor(rows_pos, dtype=torch.float32)
+        layers = [torch.stack([vals, poss, torch.full_like(vals, L)], 1) for L in layer_ids]
         layout = core.StepLayout(tuple(s[0] for s in sched), tuple(s[3] for s in sched))
         assert layout.total == total
         slicer.slice_step(layout, layers, rows_pos, rows_tok)
@@ -103,7 +99,8 @@ def check_reassembly(sc, core=None):
         assert len(per_layer) == len(layer_ids)
         for j, t in enumerate(per_layer):
             assert t.dtype == torch.float32
-            expect = torch.tensor([encode(i, p, layer_ids[j]) for p in range(lengths[i])])
+            pos = torch.arange(lengths[i], dtype=torch.float32)
+            expect = torch.stack([torch.full_like(pos, i), pos, torch.full_like(pos, layer_ids[j])], 1)
             assert torch.equal(t, expect), (i, layer_ids[j])
 
 
@@ -171,3 +168,83 @@ def test_layout_must_cover_rows():
     s = StepSlicer(call=0)
     with pytest.raises(CaptureError):
         s.slice_step(StepLayout((make_request_id(0, 0),), (5,)), [torch.zeros(3, 1)], [0, 1, 2], None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(scenarios(), st.booleans(), st.integers(0, 3))
+def test_both_reply_conventions_give_the_same_result(sc, bare, other_ranks):
+    """A list of per-rank replies and a bare rank-0 reply reassemble identically."""
+    lengths, layer_ids, *_ = sc
+    prompts, slicer = simulate(*sc)
+    wire = pack(slicer.chunks, len(layer_ids))
+    reply = wire if bare else [wire] + [None] * other_ranks
+    out = capture.assemble(prompts, unpack(capture.rank0_reply(reply)), layer_ids,
+                           cat=lambda x: torch.cat(x, 0))
+    assert [len(p) for p in out] == [len(layer_ids)] * len(prompts)
+    assert [t.shape[0] for per in out for t in per] == [n for n in lengths for _ in layer_ids]
+
+
+def test_reply_that_is_not_a_capture_is_refused():
+    with pytest.raises(CaptureError, match="expected its capture"):
+        capture.rank0_reply([torch.zeros(3)])  # the 0.3.0 "[0] of a bare reply" mistake
+    with pytest.raises(CaptureError, match="more than one"):
+        capture.rank0_reply([{"meta": []}, {"meta": []}])
+
+
+class SlicerMachine(RuleBasedStateMachine):
+    """Sequences of calls on one worker: arm, steps (with stale requests of
+    earlier calls mixed in), fetch.  Every step's rows are consumed exactly
+    once, by the call that was armed, and nothing survives a fetch."""
+
+    def __init__(self):
+        super().__init__()
+        self.call = -1
+        self.slicer = None
+        self.expected: dict[int, int] = {}
+
+    @rule()
+    def arm(self):
+        self.call += 1
+        self.slicer = StepSlicer(call=self.call)
+        self.expected = {}
+
+    @precondition(lambda self: self.slicer is not None)
+    @rule(counts=st.lists(st.integers(0, 5), min_size=1, max_size=4), stale=st.integers(0, 3),
+          pad=st.integers(0, 3))
+    def step(self, counts, stale, pad):
+        req_ids = [make_request_id(self.call, i) for i in range(len(counts))]
+        nums = list(counts)
+        if stale and self.call > 0:
+            req_ids.append(make_request_id(self.call - 1, 0) + "-abcd1234")
+            nums.append(stale)
+        total = sum(nums)
+        positions, tokens = [], []
+        for i, n in enumerate(nums):
+            start = self.expected.get(i, 0) if i < len(counts) else 0
+            positions += list(range(start, start + n))
+            tokens += [0] * n
+        rows = torch.arange(total + pad, dtype=torch.float32)[:, None]
+        before = self.slicer.steps
+        self.slicer.slice_step(StepLayout(tuple(req_ids), tuple(nums)), [rows],
+                               positions + [0] * pad, tokens + [0] * pad)
+        assert self.slicer.steps == before + 1
+        for i, n in enumerate(counts):
+            self.expected[i] = self.expected.get(i, 0) + n
+
+    @precondition(lambda self: self.slicer is not None)
+    @rule()
+    def fetch(self):
+        got = {i: sum(len(c.positions) for c in cs) for i, cs in self.slicer.chunks.items()}
+        assert got == {i: n for i, n in self.expected.items() if n}
+        for cs in self.slicer.chunks.values():
+            assert [c.positions for c in cs] == sorted((c.positions for c in cs), key=lambda p: p[0])
+        self.slicer = None  # handed over: a later step cannot add to it
+
+    @invariant()
+    def no_foreign_rows_kept(self):
+        if self.slicer is not None:
+            assert set(self.slicer.chunks) <= set(self.expected)
+
+
+TestSlicerMachine = SlicerMachine.TestCase
+TestSlicerMachine.settings = settings(max_examples=60, stateful_step_count=20, deadline=None)

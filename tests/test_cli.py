@@ -39,6 +39,19 @@ def test_demo_prints_table_and_passes():
     assert "max rel err" in proc.stdout and "(OK)" in proc.stdout
 
 
+@pytest.mark.extended
+def test_debug_logging_is_visible_from_the_engine_process():
+    env = dict(os.environ, EAGLE3_COMPAT_DEBUG="1")
+    proc = cli("demo", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import re
+
+    pids = set(re.findall(r"eagle3_compat\[(\d+)\] eagle3_compat.worker: step \d+: \d+ rows", proc.stderr))
+    assert pids, proc.stderr[-3000:]
+    driver = set(re.findall(r"eagle3_compat\[(\d+)\] eagle3_compat.generator", proc.stderr))
+    assert driver and not (pids & driver)  # logged by vLLM's engine process, not the driver
+
+
 def _write_input(path):
     lines = [list(range(4, 4 + n)) for n in (5, 30, 1, 77, 12, 50, 8, 40)]
     lines[3] = {"input_ids": lines[3], "loss_mask": [0] * 10 + [1] * 67}

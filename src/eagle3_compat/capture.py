@@ -38,6 +38,7 @@ __all__ = [
 
     "make_request_id",
     "parse_request_id",
+    "rank0_reply",
 ]
 
 Tensor = Any  # a CPU torch.Tensor at run time; kept abstract so the core stays pure
@@ -160,6 +161,31 @@ class StepSlicer:
                 )
             start = end
         self.steps += 1
+
+
+def rank0_reply(reply: Any) -> Any:
+    """The tensor-parallel rank-0 capture from a ``collective_rpc`` reply.
+
+    vLLM's ``collective_rpc`` returns one reply per worker (a list), except
+    ``MultiprocExecutor.collective_rpc(unique_reply_rank=...)``, which from
+    vLLM 0.12 returns the bare reply: indexing that with ``[0]`` silently
+    picked the first layer's tensor in speculators 0.3.0 ("771 tensors of
+    shape [512]").  Both shapes are accepted here; a capture is a dict, so
+    the two cannot be confused, and every other rank must have sent None.
+    """
+    if isinstance(reply, dict):
+        return reply
+    if not isinstance(reply, (list, tuple)) or not reply:
+        raise CaptureError(f"unexpected collective_rpc reply of type {type(reply).__name__}")
+    first, rest = reply[0], reply[1:]
+    if not isinstance(first, dict):
+        raise CaptureError(
+            f"rank 0 sent {type(first).__name__}, expected its capture (a dict); "
+            "is this a bare reply indexed twice?"
+        )
+    if any(r is not None for r in rest):
+        raise CaptureError("captures came from more than one tensor-parallel rank")
+    return first
 
 
 def assemble(

@@ -24,7 +24,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .capture import CaptureError, assemble, make_request_id
+from .capture import assemble, make_request_id, rank0_reply
 from .wire import unpack
 from .logs import get_logger
 from .worker import WORKER_EXTENSION
@@ -258,9 +258,7 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
         # KeyboardInterrupt / SystemExit: do not leave engine processes behind.
         generator_close(self)
         raise
-    captured = replies[0]
-    if captured is None or any(r is not None for r in replies[1:]):
-        raise CaptureError("eagle3_compat: expected captures from tensor-parallel rank 0 only")
+    captured = rank0_reply(replies)
     results = assemble(
         prompts,
         unpack(captured),
