@@ -55,14 +55,11 @@ def _run_unpatched(model, prompts):
 
 
 def test_unpatched_0_3_0_single_step(tiny_models, vllm_minor, request):
-    if vllm_minor != (0, 11):
-        # strict on 0.16 (the target: it must fail there); on 0.12-0.15 the
-        # outcome is recorded either way.
+    if vllm_minor not in ((0, 11), (0, 16)):
+        pytest.skip("the baseline is recorded on 0.11 (must pass) and 0.16 (must fail)")
+    if vllm_minor == (0, 16):
         request.applymarker(
-            pytest.mark.xfail(
-                strict=vllm_minor == (0, 16),
-                reason=f"speculators 0.3.0 is broken on vLLM {vllm_minor[0]}.{vllm_minor[1]}",
-            )
+            pytest.mark.xfail(strict=True, reason="speculators 0.3.0 is broken on vLLM 0.16")
         )
     prompts = [[5, 6, 7, 8, 9], list(range(10, 60)), [300] * 3, list(range(100, 390))]
     proc = _run_unpatched(tiny_models("llama"), prompts)

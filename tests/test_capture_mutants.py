@@ -55,7 +55,7 @@ def test_real_core_passes_the_check():
 def test_mutant_is_caught(name):
     mod = mutant(name)
 
-    @settings(max_examples=300, deadline=None, database=None,
+    @settings(max_examples=200, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(scenarios())
     def prop(sc):

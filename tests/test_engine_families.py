@@ -20,7 +20,11 @@ def _one_by_one(gen, prompts):
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_l4s"])
 def test_deepseek_v3_matches_vllm_forward(tiny_models, family, vllm_minor):
+    if family.endswith("l4s") and vllm_minor < (0, 16):
+        pytest.skip("llama_4_scaling exists from vLLM 0.16")
     from speculators.data_generation import VllmHiddenStatesGenerator
+
+    from conftest import FULL
 
     from eagle3_compat.testing import compare, vllm_batching_drift, vllm_layer_outputs
 
@@ -39,12 +43,14 @@ def test_deepseek_v3_matches_vllm_forward(tiny_models, family, vllm_minor):
     # states can only be held to the one-prompt reference where vLLM itself is
     # batch-invariant.  Rows, positions, token ids and order are checked by the
     # run-time invariants in every case.
-    drift = vllm_batching_drift(model, prompts)
     for r, p in zip(batched, prompts):
         assert r["input_ids"].tolist() == p
         assert [tuple(h.shape) for h in r["hidden_states"]] == [(len(p), 256)] * len(layers)
     # the first prompt of the batch runs first in the step: unaffected either way
     compare(batched[:1], ref[:1], prompts[:1], layers, 1e-5)
+    if not FULL:
+        return
+    drift = vllm_batching_drift(model, prompts)
     if drift < 1e-4:
         compare(batched, ref, prompts, layers, 1e-5)
     else:

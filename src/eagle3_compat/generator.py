@@ -170,8 +170,9 @@ def _check_parallel(tp: Any) -> None:
         raise ValueError(f"tensor_parallel_size={tp} but only {available} {what} are available")
 
 
-def _as_prompt_list(token_ids: Any) -> list[list[int]]:
-    """Validate ``generate()`` input; a ValueError names the prompt index."""
+def _as_prompt_list(token_ids: Any, vocab: int | None = None) -> list[list[int]]:
+    """Validate ``generate()`` input, prompt by prompt in order; a ValueError
+    names the first bad prompt's index and its problem."""
     try:
         import torch  # noqa: PLC0415
     except ImportError:  # pragma: no cover
@@ -201,6 +202,8 @@ def _as_prompt_list(token_ids: Any) -> list[list[int]]:
                 raise ValueError(f"prompt {i}: token ids must be ints, got {t!r}")
             if t < 0:
                 raise ValueError(f"prompt {i}: negative token id {t}")
+            if vocab is not None and t >= vocab:
+                raise ValueError(f"prompt {i}: token id {t} is not below the vocabulary size {vocab}")
         prompts.append(list(ids))
     return prompts
 
@@ -212,13 +215,7 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
 
     if getattr(self, "_e3c_closed", True):
         raise RuntimeError("this VllmHiddenStatesGenerator is closed")
-    prompts = _as_prompt_list(token_ids)
-    vocab = self._e3c_vocab_size
-    if vocab is not None:
-        for i, ids in enumerate(prompts):
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise ValueError(f"prompt {i}: token id {bad} is not below the vocabulary size {vocab}")
+    prompts = _as_prompt_list(token_ids, self._e3c_vocab_size)
     # speculators 0.3.0 truncates to max_model_len - 1 (vLLM needs room for the
     # one sampled token).  Kept, but never silently.
     max_len = self._e3c_max_model_len - 1
