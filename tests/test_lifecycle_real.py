@@ -92,18 +92,26 @@ def test_revert_restores_the_very_objects():
             import json
             from speculators.data_generation import VllmHiddenStatesGenerator as G
             before = {n: G.__dict__.get(n) for n in ("__init__", "generate", "__del__", "close", "__enter__")}
+            import warnings
             import eagle3_compat
             eagle3_compat.apply()
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                eagle3_compat.apply(dtype="float32")  # different options: warns, keeps the first
+            other = [str(x.message) for x in w]
+            kept = eagle3_compat.status().options
             changed = [n for n, v in before.items() if G.__dict__.get(n) is not v]
             eagle3_compat.revert()
             same = all(G.__dict__.get(n) is v for n, v in before.items())
-            print("RESULT" + json.dumps({"changed": changed, "same": same,
-                                          "added_gone": "close" not in G.__dict__}))
+            print("RESULT" + json.dumps({"changed": changed, "same": same, "other": other,
+                                          "kept": kept, "added_gone": "close" not in G.__dict__}))
             """
         )
     )
     assert sorted(out["changed"]) == ["__del__", "__enter__", "__init__", "close", "generate"]
     assert out["same"] and out["added_gone"]
+    assert len(out["other"]) == 1 and "already ran" in out["other"][0]
+    assert out["kept"] == {"dtype": None}
 
 
 def test_failing_adapter_rolls_back_and_names_itself():
