@@ -129,14 +129,38 @@ def test_reference_checks_have_teeth(gen, llama):
 
 
 @pytest.mark.parametrize("family", ["qwen3"])
-def test_other_family_matches_reference(tiny_models, family):
+def test_other_family_matches_reference(tiny_models, family, vllm_minor):
     from speculators.data_generation import VllmHiddenStatesGenerator
+
+    from eagle3_compat.testing import compare, hf_layer_outputs, vllm_layer_outputs
 
     model = tiny_models(family)
     prompts = mixed_prompts(6, 400, seed=5)
-    with VllmHiddenStatesGenerator(str(model), layer_ids=[1, 4], max_model_len=512) as g:
+    layers = [1, 4]
+    with VllmHiddenStatesGenerator(str(model), layer_ids=layers, max_model_len=512) as g:
         results = g.generate(prompts)
-    _check(results, model, prompts, [1, 4], F32_TOL)
+        hf = hf_layer_outputs(model, prompts, layers)
+        try:
+            compare(results, hf, prompts, layers, F32_TOL)
+            return
+        except AssertionError as exc:
+            hf_error = exc
+        # The capture must equal what vLLM itself computes.  Where vLLM's own
+        # forward disagrees with Hugging Face (seen: Qwen3 on vLLM 0.12's CPU
+        # path, no eagle3_compat involved, and batch-dependent there), compare
+        # one prompt per call with vLLM's own one-prompt-per-step forward.
+        singles = [g.generate([p])[0] for p in prompts]
+    own = vllm_layer_outputs(model, prompts, layers)
+    compare(singles, own, prompts, layers, 1e-5)
+    with pytest.raises(AssertionError):
+        compare(own_as_results(own, prompts), hf, prompts, layers, F32_TOL)
+    pytest.xfail(f"vLLM {vllm_minor[0]}.{vllm_minor[1]}'s own {family} forward differs from HF: {hf_error}")
+
+
+def own_as_results(own, prompts):
+    import torch
+
+    return [{"input_ids": torch.tensor(p), "hidden_states": states} for p, states in zip(prompts, own)]
 
 
 def test_bfloat16_within_5e_2(tiny_models):
