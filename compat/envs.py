@@ -43,7 +43,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import zipfile
 from email.parser import Parser

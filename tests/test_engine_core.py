@@ -7,7 +7,6 @@ and per layer, with Hugging Face transformers in float32.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 

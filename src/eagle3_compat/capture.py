@@ -222,7 +222,7 @@ def assemble(
                 rows.append((pos[0], chunk, 0, hi))
         rows.sort(key=lambda r: r[0])
         expected = 0
-        for first, chunk, lo, hi in rows:
+        for _first, chunk, lo, hi in rows:
             pos = chunk.positions[lo:hi]
             if pos != list(range(expected, expected + len(pos))):
                 raise CaptureError(

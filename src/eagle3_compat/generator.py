@@ -19,7 +19,6 @@ each worker recorded per step, and checked on every call.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -35,9 +34,6 @@ log = get_logger("eagle3_compat.generator")
 # match what its users configured for.
 MAX_NUM_SEQS = 32
 MIN_MAX_BATCHED_TOKENS = 8192
-
-_instances = itertools.count()
-
 
 def _options() -> dict[str, Any]:
     from . import _state  # noqa: PLC0415
@@ -112,7 +108,6 @@ def generator_init(
         layer_ids = [2, num_layers // 2, num_layers - 3, num_layers - 1]
         log.info("auto-selected layers %s of %d", layer_ids, num_layers)
     self.layer_ids = validate_layer_ids(layer_ids, num_layers)
-    self._e3c_num_layers = num_layers
     self._e3c_vocab_size = _vocab_size(config)
     from .adapters import refuse_unverified  # noqa: PLC0415
 
