@@ -166,7 +166,7 @@ def main() -> int:
         Path(prompts_file).write_text(json.dumps(prompts))
         for name, hidden, layers in sizes:
             model = str(make_tiny_model(Path(tmp) / name, "llama", layers=layers, hidden=hidden))
-            layer_ids = [2, layers // 2, layers - 3, layers - 1]
+            layer_ids = list(dict.fromkeys([2, layers // 2, layers - 3, layers - 1]))
             for tp in tps:
                 res = {m: run_mode(m, model, tp, prompts_file, calls, layer_ids) for m in modes}
                 rows.append((name, tp, res))

@@ -105,7 +105,9 @@ def generator_init(
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
     num_layers = _num_layers(config)
     if layer_ids is None:
-        layer_ids = [2, num_layers // 2, num_layers - 3, num_layers - 1]
+        # 0.3.0's default; on very small models its entries coincide (6 layers:
+        # 2, 3, 3, 5) and a layer is captured once.
+        layer_ids = list(dict.fromkeys([2, num_layers // 2, num_layers - 3, num_layers - 1]))
         log.info("auto-selected layers %s of %d", layer_ids, num_layers)
     self.layer_ids = validate_layer_ids(layer_ids, num_layers)
     self._e3c_vocab_size = _vocab_size(config)
