@@ -31,7 +31,14 @@ def test_deepseek_v3_matches_vllm_forward(tiny_models, family, vllm_minor):
     model = tiny_models(family)
     layers = [0, 1, 3]  # the dense layer, the first MoE layer, the last layer
     prompts = mixed_prompts(4, 120, seed=11)
-    ref = vllm_layer_outputs(model, prompts, layers)
+    try:
+        ref = vllm_layer_outputs(model, prompts, layers)
+    except RuntimeError as exc:
+        # Plain vLLM, no eagle3_compat: seen on the 0.14 CPU build, whose fused
+        # MoE builds a CustomOp outside the config context and the engine dies.
+        if "initialization failed" not in str(exc):
+            raise
+        pytest.skip(f"vLLM {vllm_minor[0]}.{vllm_minor[1]} itself cannot run {family} on this CPU build")
     with VllmHiddenStatesGenerator(str(model), layer_ids=layers, max_model_len=256) as g:
         results = _one_by_one(g, prompts)
         batched = g.generate(prompts)
