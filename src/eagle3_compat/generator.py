@@ -18,7 +18,8 @@ each worker recorded per step, and checked on every call.
 
 from __future__ import annotations
 
-import concurrent.futures
+import queue
+import threading
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -291,17 +292,27 @@ def _rpc(self: Any, method: str, *args: Any) -> list[Any]:
     """
     if _engine_dead(self):
         raise EngineDiedError(f"the vLLM engine is dead (before {method})")
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="e3c-rpc")
-    try:
-        fut = pool.submit(self.llm.collective_rpc, method, args=args)
-        while True:
-            try:
-                return fut.result(timeout=0.5)
-            except concurrent.futures.TimeoutError:
-                if _engine_dead(self):
-                    raise EngineDiedError(f"the vLLM engine died during {method}") from None
-    finally:
-        pool.shutdown(wait=False)
+    box: queue.Queue = queue.Queue(maxsize=1)
+
+    def call() -> None:
+        try:
+            box.put((True, self.llm.collective_rpc(method, args=args)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box.put((False, exc))
+
+    # A daemon thread, not a ThreadPoolExecutor: a call stuck on a dead engine
+    # must not be joined at interpreter exit (that would hang the program).
+    threading.Thread(target=call, name=f"e3c-rpc-{method}", daemon=True).start()
+    while True:
+        try:
+            ok, value = box.get(timeout=0.5)
+        except queue.Empty:
+            if _engine_dead(self):
+                raise EngineDiedError(f"the vLLM engine died during {method}") from None
+            continue
+        if ok:
+            return value
+        raise value
 
 
 def _engine_dead(self: Any) -> bool:
