@@ -19,8 +19,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("applied_f32")]
 LAYERS = [1, 4]
 
 
-
-
 def engine_children():
     import psutil
 
