@@ -127,8 +127,10 @@ def test_reference_checks_have_teeth(gen, llama):
         compare(results, wrong_layer, prompts, LAYERS, F32_TOL)
 
 
-@pytest.mark.parametrize("family", ["qwen3"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "olmo2"])
 def test_other_family_matches_reference(tiny_models, family, vllm_minor):
+    """Qwen3, Qwen3-MoE (every layer MoE) and Olmo2 (decoder layers return one
+    tensor, no fused residual) against HF float32, several prompts per call."""
     from speculators.data_generation import VllmHiddenStatesGenerator
 
     from eagle3_compat.testing import compare, hf_layer_outputs, vllm_layer_outputs
@@ -136,7 +138,17 @@ def test_other_family_matches_reference(tiny_models, family, vllm_minor):
     model = tiny_models(family)
     prompts = mixed_prompts(6, 400, seed=5)
     layers = [1, 4]
-    with VllmHiddenStatesGenerator(str(model), layer_ids=layers, max_model_len=512) as g:
+    try:
+        g = VllmHiddenStatesGenerator(str(model), layer_ids=layers, max_model_len=512)
+    except RuntimeError as exc:
+        if "initialization failed" not in str(exc):
+            raise
+        # Only acceptable where vLLM's own engine cannot run the model either
+        # (seen: MoE on the 0.14 CPU build).
+        with pytest.raises(RuntimeError, match="initialization failed"):
+            vllm_layer_outputs(model, prompts[:1], layers)
+        pytest.skip(f"vLLM {vllm_minor[0]}.{vllm_minor[1]} itself cannot run {family} on this CPU build")
+    with g:
         results = g.generate(prompts)
         hf = hf_layer_outputs(model, prompts, layers)
         try:

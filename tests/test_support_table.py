@@ -49,3 +49,15 @@ def test_records_are_complete():
         doc = __import__(a.probe.__module__, fromlist=["_"]).__doc__
         for heading in ("Upstream symbol", "Why it breaks", "How it is fixed", "Remove when"):
             assert heading in doc, (a.id, heading)
+
+
+def test_verified_families_table_matches_the_refusal_list():
+    from eagle3_compat.adapters import VERIFIED_ARCHITECTURES
+    from eagle3_compat.testing import FAMILIES, _config
+
+    section = (ROOT / "README.md").read_text().split("Verified model families", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
+    assert listed == set(VERIFIED_ARCHITECTURES)
+    # every verified architecture has a tiny-model family the suite runs
+    made = {a for f in FAMILIES for a in _config(f, 512, 6, 256)["architectures"]}
+    assert set(VERIFIED_ARCHITECTURES) <= made

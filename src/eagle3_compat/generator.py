@@ -27,7 +27,7 @@ from typing import Any
 from .capture import assemble, make_request_id, rank0_reply
 from .wire import unpack
 from .logs import get_logger
-from .worker import WORKER_EXTENSION
+from .worker import CAPTURE_POINTS, WORKER_EXTENSION
 
 log = get_logger("eagle3_compat.generator")
 
@@ -84,8 +84,19 @@ def generator_init(
     max_model_len: int = 2048,
     gpu_memory_utilization: float = 0.8,
     tensor_parallel_size: int = 1,
+    *,
+    capture: str = "layer_output",
 ) -> None:
-    """Replacement for ``VllmHiddenStatesGenerator.__init__`` (same signature)."""
+    """Replacement for ``VllmHiddenStatesGenerator.__init__``.
+
+    Same signature as speculators 0.3.0, plus one keyword-only opt-in:
+    ``capture="layer_output"`` (the default, 0.3.0's contract: the output of
+    decoder layer ``k`` before the final norm, Hugging Face
+    ``hidden_states[k + 1]`` for every layer but the last) or
+    ``capture="layer_input"`` (vLLM's EAGLE-3 serving convention: the state
+    layer ``k`` receives, Hugging Face ``hidden_states[k]``; for ``k >= 1``
+    the same tensor as ``layer_output`` of ``k - 1``).
+    """
     from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415
     from vllm import LLM  # noqa: PLC0415
 
@@ -102,6 +113,9 @@ def generator_init(
     ):
         raise ValueError(f"model_path {model_path!r} does not exist")
     _check_parallel(tensor_parallel_size)
+    if capture not in CAPTURE_POINTS:
+        raise ValueError(f"capture must be one of {CAPTURE_POINTS}, got {capture!r}")
+    self.capture = capture
     self.tokenizer = AutoTokenizer.from_pretrained(model_path)
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
     num_layers = _num_layers(config)
@@ -118,9 +132,10 @@ def generator_init(
 
     self._e3c_max_model_len = int(max_model_len)
     log.info(
-        "starting vLLM for %s: layers %s, max_model_len %d, tensor_parallel_size %d, dtype %s",
+        "starting vLLM for %s: layers %s (%s), max_model_len %d, tensor_parallel_size %d, dtype %s",
         model_path,
         self.layer_ids,
+        capture,
         max_model_len,
         tensor_parallel_size,
         opts.get("dtype") or "auto",
@@ -148,7 +163,7 @@ def generator_init(
     self.vllm_config = self.llm.llm_engine.vllm_config
     self.executor = None  # 0.3.0 attribute; the engine owns its executor now
     self.scheduler = None
-    infos = _rpc(self, "e3c_setup", self.layer_ids)
+    infos = _rpc(self, "e3c_setup", self.layer_ids, capture)
     self._e3c_worker_info = infos[0]
     log.info("capture ready: %s", infos[0])
 

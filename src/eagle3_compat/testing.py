@@ -60,6 +60,16 @@ def _config(family: str, vocab: int, layers: int, hidden: int) -> dict[str, Any]
     if family == "qwen3":
         return {**common, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
                 "rope_theta": 1000000.0, "attention_bias": False, "use_sliding_window": False}
+    if family == "qwen3_moe":
+        # Every layer MoE: 8 experts, top 2 (no shared expert in this family).
+        return {**common, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                "rope_theta": 1000000.0, "attention_bias": False, "use_sliding_window": False,
+                "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2,
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+    if family == "olmo2":
+        # vLLM's Olmo2 decoder layer returns one tensor (no fused residual).
+        return {**common, "model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"],
+                "rope_theta": 10000.0, "attention_bias": False}
     if family in ("deepseek_v3", "deepseek_v3_l4s"):
         # Kimi-K2 / DeepSeek-V3 layout at toy size: dense first layer, MoE after
         # it, MLA dimensions (qk 64 + 32 rope, v 64).  vLLM's loader needs
@@ -82,7 +92,7 @@ def _config(family: str, vocab: int, layers: int, hidden: int) -> dict[str, Any]
     raise ValueError(f"unknown tiny-model family {family!r}; known: {FAMILIES}")
 
 
-FAMILIES = ("llama", "qwen3", "deepseek_v3", "deepseek_v3_l4s")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo2", "deepseek_v3", "deepseek_v3_l4s")
 
 
 def _tokenizer(path: Path) -> None:

@@ -56,6 +56,38 @@ def _decoder_layers(model: Any) -> tuple[Any, Any]:
     return base, layers
 
 
+CAPTURE_POINTS = ("layer_output", "layer_input")
+
+
+def _input_reader(layer: Any) -> Any:
+    """A function (args, kwargs) -> the state decoder ``layer`` receives.
+
+    vLLM's EAGLE-3 serving reads, for aux layer ``k``, ``hidden_states +
+    residual`` just before layer ``k`` runs (``LlamaModel.forward``,
+    ``aux_hidden_state_layers``); the arguments are found by name in the
+    layer's own ``forward`` signature, so positional and keyword calls both work.
+    """
+    import inspect  # noqa: PLC0415
+
+    names = [n for n in inspect.signature(layer.forward).parameters]
+    if "hidden_states" not in names:
+        raise RuntimeError(
+            f"eagle3_compat: capture='layer_input' needs a decoder layer whose forward takes "
+            f"'hidden_states'; {type(layer).__name__}.forward takes {names}"
+        )
+    ih = names.index("hidden_states")
+    ir = names.index("residual") if "residual" in names else None
+
+    def read(args: tuple, kwargs: dict) -> Any:
+        h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[ih]
+        r = None
+        if ir is not None:
+            r = kwargs["residual"] if "residual" in kwargs else (args[ir] if len(args) > ir else None)
+        return h if r is None else h + r
+
+    return read
+
+
 def _layer_output(out: Any) -> Any:
     if isinstance(out, tuple):
         hidden = out[0]
@@ -83,8 +115,13 @@ class CaptureWorkerExtension:
     """Mixed into vLLM's Worker; captures decoder-layer outputs per request."""
 
     # -- set-up ---------------------------------------------------------------
-    def e3c_setup(self, layer_ids: list[int]) -> dict[str, Any]:
-        """Register hooks on the decoder layers ``layer_ids``; wrap the step."""
+    def e3c_setup(self, layer_ids: list[int], capture: str = "layer_output") -> dict[str, Any]:
+        """Register hooks on the decoder layers ``layer_ids``; wrap the step.
+
+        ``capture``: ``"layer_output"`` (speculators 0.3.0: what layer ``k``
+        returns) or ``"layer_input"`` (vLLM's EAGLE-3 serving: what layer ``k``
+        receives).
+        """
         import torch  # noqa: PLC0415
         from vllm.distributed import get_pp_group, get_tp_group  # noqa: PLC0415
 
@@ -96,6 +133,8 @@ class CaptureWorkerExtension:
         model = runner.get_model() if hasattr(runner, "get_model") else runner.model
         base, layers = _decoder_layers(model)
         n_layers = len(layers)
+        if capture not in CAPTURE_POINTS:
+            raise ValueError(f"capture must be one of {CAPTURE_POINTS}, got {capture!r}")
         bad = [k for k in layer_ids if not 0 <= k < n_layers]
         if bad:
             raise ValueError(f"layer ids {bad} out of range for {n_layers} decoder layers")
@@ -118,6 +157,16 @@ class CaptureWorkerExtension:
 
             return hook
 
+        def layer_pre_hook(slot: int, read: Any):
+            def hook(_module, args, kwargs):
+                step = self._e3c_step
+                if step is None:
+                    return
+                h = read(args, kwargs)[: step.total]
+                step.layers[slot] = h.detach().to("cpu", copy=True)
+
+            return hook
+
         def inputs_hook(_module, args, kwargs):
             step = self._e3c_step
             if step is None:
@@ -131,7 +180,11 @@ class CaptureWorkerExtension:
 
         if self._e3c_rank0:
             for slot, k in enumerate(self._e3c_layer_ids):
-                handles.append(layers[k].register_forward_hook(layer_hook(slot)))
+                if capture == "layer_input":
+                    pre = layer_pre_hook(slot, _input_reader(layers[k]))
+                    handles.append(layers[k].register_forward_pre_hook(pre, with_kwargs=True))
+                else:
+                    handles.append(layers[k].register_forward_hook(layer_hook(slot)))
             handles.append(model.register_forward_pre_hook(inputs_hook, with_kwargs=True))
         self._e3c_handles = handles
 
@@ -158,6 +211,7 @@ class CaptureWorkerExtension:
         self._e3c_original_execute = original
         info = {
             "model": type(model).__name__,
+            "capture": capture,
             "num_layers": n_layers,
             "rank0": self._e3c_rank0,
             "dtype": str(next(model.parameters()).dtype),

@@ -46,7 +46,13 @@ class Adapter:
 
 # Architectures whose capture is checked against a reference in the test
 # suite (see README, "Verified model families").
-VERIFIED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM")
+VERIFIED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Olmo2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
 ENV_ALLOW_UNVERIFIED = "EAGLE3_COMPAT_ALLOW_UNVERIFIED"
 
 

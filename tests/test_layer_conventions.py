@@ -1,0 +1,94 @@
+"""What a layer id means, against Hugging Face's ``output_hidden_states``.
+
+HF's tuple has ``num_layers + 1`` entries: ``hidden_states[0]`` is the
+embedding output (the input of layer 0), ``hidden_states[k + 1]`` the output
+of layer ``k`` (the input of layer ``k + 1``), and the last entry has the
+final norm applied.
+
+* ``capture="layer_output"`` (default; speculators 0.3.0's contract): layer
+  ``k`` -> HF ``hidden_states[k + 1]`` for ``k < L - 1``; for the last layer
+  the pre-norm state, so HF's last entry is ``norm(captured)``.
+* ``capture="layer_input"`` (opt-in; vLLM's EAGLE-3 serving reads
+  ``hidden_states + residual`` just before layer ``k`` runs): layer ``k`` ->
+  HF ``hidden_states[k]``, and equal to ``layer_output`` of ``k - 1``.
+
+The reference is HF's own tuple (no hooks), float32, one prompt per forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from prompts import mixed_prompts
+
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("applied_f32")]
+
+TOL = 1e-4
+
+
+def _hf_hidden_states(model_path, prompts):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            out.append([h[0] for h in hs])
+    return model, out
+
+
+def _as_ref(hf, index):
+    return [[states[i] for i in index] for states in hf]
+
+
+@pytest.mark.parametrize("family", ["llama", "olmo2"])
+def test_layer_ids_against_hf_hidden_states(tiny_models, family):
+    import torch
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    from conftest import FULL
+    from eagle3_compat.testing import compare, max_rel_error
+
+    if family != "llama" and not FULL:
+        pytest.skip("extended: Olmo2 (single-tensor layers) runs in the full suite")
+    model = tiny_models(family)
+    n = 6
+    prompts = mixed_prompts(5, 200, seed=21)
+    layers = [0, 2, n - 1]
+    hf_model, hf = _hf_hidden_states(model, prompts)
+
+    with VllmHiddenStatesGenerator(str(model), layer_ids=layers, max_model_len=256) as g:
+        out = g.generate(prompts)
+    with VllmHiddenStatesGenerator(str(model), layer_ids=layers, max_model_len=256,
+                                   capture="layer_input") as g:
+        assert g.capture == "layer_input"
+        inp = g.generate(prompts)
+
+    # layer_output: k -> hidden_states[k + 1] below the last layer
+    inner = [{"input_ids": r["input_ids"], "hidden_states": r["hidden_states"][:2]} for r in out]
+    compare(inner, _as_ref(hf, [1, 3]), prompts, [0, 2], TOL)
+    # ... and for the last layer HF's entry is the final norm of the captured state
+    norm = hf_model.model.norm
+    for i, r in enumerate(out):
+        last = r["hidden_states"][2]
+        with torch.no_grad():
+            assert max_rel_error(norm(last), hf[i][n]) < TOL, i
+        assert max_rel_error(last, hf[i][n]) > 1e-2, i  # not already normed
+
+    # layer_input: k -> hidden_states[k] (k = 0: the embeddings)
+    compare(inp, _as_ref(hf, [0, 2, n - 1]), prompts, layers, TOL)
+    # the input of layer k is the output of layer k - 1 (another engine run:
+    # equal up to the CPU kernels' run-to-run rounding)
+    with VllmHiddenStatesGenerator(str(model), layer_ids=[1], max_model_len=256) as g:
+        out1 = g.generate(prompts)
+    for a, b in zip(inp, out1):
+        assert max_rel_error(a["hidden_states"][1], b["hidden_states"][0]) < 1e-5
+
+
+def test_capture_argument_is_checked(tiny_models):
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    with pytest.raises(ValueError, match="capture must be one of"):
+        VllmHiddenStatesGenerator(str(tiny_models("llama")), layer_ids=[1], capture="input")
