@@ -127,10 +127,12 @@ def test_reference_checks_have_teeth(gen, llama):
         compare(results, wrong_layer, prompts, LAYERS, F32_TOL)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "olmo2"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "olmo2", "llava"])
 def test_other_family_matches_reference(tiny_models, family, vllm_minor):
-    """Qwen3, Qwen3-MoE (every layer MoE) and Olmo2 (decoder layers return one
-    tensor, no fused residual) against HF float32, several prompts per call."""
+    """Qwen3, Qwen3-MoE (every layer MoE), Olmo2 (decoder layers return one
+    tensor, no fused residual) and Llava (the language model behind
+    get_language_model(), fed embeddings rather than token ids) against HF
+    float32, several prompts per call."""
     from speculators.data_generation import VllmHiddenStatesGenerator
 
     from eagle3_compat.testing import compare, hf_layer_outputs, vllm_layer_outputs

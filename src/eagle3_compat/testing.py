@@ -70,6 +70,18 @@ def _config(family: str, vocab: int, layers: int, hidden: int) -> dict[str, Any]
         # vLLM's Olmo2 decoder layer returns one tensor (no fused residual).
         return {**common, "model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"],
                 "rope_theta": 10000.0, "attention_bias": False}
+    if family == "llava":
+        # A vision-language model: the Llama text model sits behind
+        # get_language_model() in vLLM (model.language_model.model.layers).
+        text = _config("llama", vocab, layers, hidden)
+        return {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
+                "text_config": text, "image_token_index": 4 + _WORDS, "torch_dtype": "float32",
+                "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
+                "projector_hidden_act": "gelu", "tie_word_embeddings": False,
+                "vision_config": {"model_type": "clip_vision_model", "hidden_size": 64,
+                                  "intermediate_size": 128, "num_hidden_layers": 1,
+                                  "num_attention_heads": 1, "image_size": 32, "patch_size": 16,
+                                  "projection_dim": 64}}
     if family in ("deepseek_v3", "deepseek_v3_l4s"):
         # Kimi-K2 / DeepSeek-V3 layout at toy size: dense first layer, MoE after
         # it, MLA dimensions (qk 64 + 32 rope, v 64).  vLLM's loader needs
@@ -92,7 +104,7 @@ def _config(family: str, vocab: int, layers: int, hidden: int) -> dict[str, Any]
     raise ValueError(f"unknown tiny-model family {family!r}; known: {FAMILIES}")
 
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo2", "deepseek_v3", "deepseek_v3_l4s")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo2", "llava", "deepseek_v3", "deepseek_v3_l4s")
 
 
 def _tokenizer(path: Path) -> None:
@@ -125,7 +137,7 @@ def make_tiny_model(
 ) -> Path:
     """Write a random-weight HF checkpoint (float32) with a local tokenizer to ``path``."""
     import torch  # noqa: PLC0415
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoConfig  # noqa: PLC0415
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -133,7 +145,9 @@ def make_tiny_model(
     (path / "config.json").write_text(json.dumps(cfg_dict, indent=1))
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    cls = _hf_class(config)
+    model = (cls.from_config(config, torch_dtype=torch.float32) if hasattr(cls, "from_config")
+             else cls(config).to(torch.float32))
     # Larger-than-default init so that layers differ clearly from each other.
     with torch.no_grad():
         for p in model.parameters():
@@ -141,7 +155,37 @@ def make_tiny_model(
                 p.normal_(0.0, 0.06)
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer(path)
+    if family == "llava":
+        _llava_processor(path)
     return path
+
+
+def _hf_class(config: Any) -> Any:
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    if getattr(config, "model_type", "") == "llava":
+        from transformers import LlavaForConditionalGeneration  # noqa: PLC0415
+
+        return LlavaForConditionalGeneration
+    return AutoModelForCausalLM
+
+
+def _hf_decoder_layers(model: Any) -> Any:
+    base = model.model
+    return base.layers if hasattr(base, "layers") else base.language_model.layers
+
+
+def _llava_processor(path: Path) -> None:
+    """The image processor + tokenizer vLLM needs to start a Llava engine."""
+    from transformers import AutoTokenizer, CLIPImageProcessor, LlavaProcessor  # noqa: PLC0415
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    assert tok.convert_tokens_to_ids("<image>") == 4 + _WORDS
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=16, image_token="<image>",
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                   ).save_pretrained(path)
 
 
 def ensure_applied(dtype: str | None = "float32") -> Any:
@@ -170,11 +214,13 @@ def hf_layer_outputs(
 ) -> list[list[Any]]:
     """Reference (1): HF float32 outputs of decoder layers ``layer_ids``, per prompt."""
     import torch  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoConfig  # noqa: PLC0415
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    model = _hf_class(AutoConfig.from_pretrained(model_path)).from_pretrained(
+        model_path, torch_dtype=torch.float32
+    )
     model.eval()
-    layers = model.model.layers
+    layers = _hf_decoder_layers(model)
     captured: dict[int, Any] = {}
     handles = [
         layers[k].register_forward_hook(
@@ -187,7 +233,7 @@ def hf_layer_outputs(
         with torch.no_grad():
             for ids in prompts:
                 captured.clear()
-                model(torch.tensor([list(ids)], dtype=torch.long))
+                model(input_ids=torch.tensor([list(ids)], dtype=torch.long))
                 out.append([captured[k] for k in layer_ids])
     finally:
         for h in handles:

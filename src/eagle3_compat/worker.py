@@ -172,6 +172,13 @@ class CaptureWorkerExtension:
             if step is None:
                 return
             input_ids = kwargs.get("input_ids", args[0] if args else None)
+            if input_ids is None:
+                # Multimodal models get inputs_embeds only ("always embeddings,
+                # even for text", vLLM's GPU model runner); the token ids the
+                # embeddings came from are still in the runner's buffer.
+                buf = getattr(runner, "input_ids", None)
+                buf = getattr(buf, "gpu", buf)
+                input_ids = buf if isinstance(buf, torch.Tensor) else None
             positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
             step.token_ids = None if input_ids is None else input_ids[: step.total].tolist()
             if positions is not None and positions.dim() == 2:  # M-RoPE: [3, tokens]

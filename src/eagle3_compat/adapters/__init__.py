@@ -51,6 +51,7 @@ VERIFIED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Olmo2ForCausalLM",
+    "LlavaForConditionalGeneration",
     "DeepseekV3ForCausalLM",
 )
 ENV_ALLOW_UNVERIFIED = "EAGLE3_COMPAT_ALLOW_UNVERIFIED"
