@@ -20,10 +20,19 @@ LAYERS = [1, 4]
 
 
 def engine_children():
+    """Live descendants of this process, except multiprocessing's resource
+    tracker (one per driver process, started on first use, lives until exit)."""
     import psutil
 
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE or "resource_tracker" in " ".join(p.cmdline()):
+                continue
+        except psutil.Error:
+            continue
+        out.append(p)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +236,36 @@ def test_fuzz_generate_valid_or_value_error(gen, model, prompts):
             gen.generate(prompts)
     # and the engine is still right afterwards
     check_correct(gen, model, [[7, 8, 9]])
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("victim", ["worker rank 1", "worker rank 0"])
+def test_killed_tensor_parallel_worker_is_a_clear_error(model, monkeypatch, victim):
+    """TP 2: one worker process (a child of the engine core) dies mid-run."""
+    import psutil
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    from eagle3_compat.generator import EngineDiedError
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    keep = {p.pid for p in engine_children()}
+    g = VllmHiddenStatesGenerator(str(model), layer_ids=[0, 4], max_model_len=128, tensor_parallel_size=2)
+    assert g.generate([[5, 6, 7]])[0]["hidden_states"][1].shape == (3, 256)
+    mine = [p for p in engine_children() if p.pid not in keep]
+    workers = sorted((p for p in mine if p.ppid() != os.getpid()), key=lambda p: p.pid)
+    assert len(workers) >= 2, [(p.pid, p.name(), p.ppid()) for p in mine]
+    target = workers[-1] if victim.endswith("1") else workers[0]
+    target.send_signal(signal.SIGKILL)
+    psutil.wait_procs([target], timeout=10)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDiedError, match="died|dead"):
+        for _ in range(3):  # the death may land between calls or inside one
+            g.generate(mixed_prompts(3, 100, seed=23))
+    assert time.monotonic() - t0 < 90
+    deadline = time.monotonic() + 60
+    while [p for p in engine_children() if p.pid not in keep] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [(p.pid, p.cmdline()[-3:]) for p in engine_children() if p.pid not in keep]
+    assert not left, f"orphan engine processes {left}"
+    with pytest.raises(RuntimeError, match="closed"):
+        g.generate([[5]])

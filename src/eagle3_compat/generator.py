@@ -255,7 +255,7 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
             engine.step()
         replies = _rpc(self, "e3c_fetch", call)
     except Exception as exc:
-        if isinstance(exc, EngineDiedError) or _engine_dead(self):
+        if isinstance(exc, EngineDiedError) or _died(self, exc):
             generator_close(self)
             raise EngineDiedError(
                 "the vLLM engine of this VllmHiddenStatesGenerator died during generate() "
@@ -328,6 +328,26 @@ def _rpc(self: Any, method: str, *args: Any) -> list[Any]:
         if ok:
             return value
         raise value
+
+
+def _died(self: Any, exc: BaseException, grace: float = 5.0) -> bool:
+    """Whether ``exc`` came from a dead engine.
+
+    A worker that dies under a live engine-core process first surfaces as a
+    failed RPC ("Executor failed."); the engine's dead flag follows shortly
+    after, so it is polled for a few seconds rather than read once.
+    """
+    import time  # noqa: PLC0415
+
+    if "Executor failed" in str(exc):
+        return True
+    deadline = time.monotonic() + grace
+    while True:
+        if _engine_dead(self):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def _engine_dead(self: Any) -> bool:
