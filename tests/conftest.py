@@ -75,3 +75,11 @@ def applied_f32():
     from eagle3_compat.testing import ensure_applied
 
     return ensure_applied("float32")
+
+
+@pytest.fixture(autouse=True)
+def _children_do_not_inherit_apply(monkeypatch):
+    """apply() in this process (an earlier test) is inherited by child
+    processes through EAGLE3_COMPAT_APPLIED; tests that start interpreters
+    choose that state themselves."""
+    monkeypatch.delenv("EAGLE3_COMPAT_APPLIED", raising=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -140,3 +141,58 @@ def test_failing_adapter_rolls_back_and_names_itself():
     assert "worker-capture" in out["msg"] and "InputBatch.req_ids" in out["msg"]
     assert out["rolled_back"] is True
     assert out["applied"] is False
+
+
+SPAWN_SCRIPT = textwrap.dedent(
+    """
+    import json, multiprocessing as mp, os
+
+    def child(q):
+        import subprocess, sys
+        from speculators.data_generation import VllmHiddenStatesGenerator as G
+        from eagle3_compat import generator as g
+        import eagle3_compat
+        q.put({"patched": G.__dict__["__init__"] is g.generator_init,
+               "options": eagle3_compat.status().options,
+               "env": os.environ.get("EAGLE3_COMPAT_APPLIED")})
+
+    def spawn():
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(q,))
+        p.start()
+        out = q.get(timeout=240)
+        p.join()
+        return out
+
+    if __name__ == "__main__":
+        import eagle3_compat
+        out = {"never": spawn()}
+        eagle3_compat.apply(dtype="float32")
+        out["applied"] = spawn()
+        eagle3_compat.revert()
+        out["reverted"] = spawn()
+        print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_spawned_child_is_patched_exactly_when_the_parent_applied(tmp_path):
+    """apply() inside ``if __name__ == "__main__":`` (the child does not re-run
+    it): the child is patched, with the parent's options, iff the parent had
+    applied when it started the child.  Needs the installed package's
+    ``eagle3_compat_inherit.pth`` (tox installs it)."""
+    import site
+
+    pth = [d for d in site.getsitepackages() if os.path.exists(os.path.join(d, "eagle3_compat_inherit.pth"))]
+    if not pth:
+        pytest.skip("eagle3_compat is not installed from its wheel here (PYTHONPATH run); tox installs it")
+    script = tmp_path / "parent.py"
+    script.write_text(SPAWN_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))[6:])
+    assert out["never"] == {"patched": False, "options": {}, "env": None}
+    assert out["applied"]["patched"] is True
+    assert out["applied"]["options"] == {"dtype": "float32"}
+    assert out["reverted"] == {"patched": False, "options": {}, "env": None}

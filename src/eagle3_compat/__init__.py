@@ -12,6 +12,7 @@ Importing this package imports neither torch, vLLM nor speculators;
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ __all__ = ["Status", "UnsupportedVersionError", "apply", "revert", "status", "__
 __version__ = "0.1.0.dev0"
 
 ENV_STRICT = "EAGLE3_COMPAT_STRICT"
+ENV_APPLIED = "EAGLE3_COMPAT_APPLIED"  # set while applied; child processes apply too
 _DTYPES = (None, "auto", "float32", "bfloat16", "float16")
 
 
@@ -147,6 +149,8 @@ def apply(*, dtype: str | None = None) -> Status:
         name = current.id if current is not None else "?"
         raise AdapterError(name, ", ".join(current.targets) if current else "?", repr(exc)) from exc
     report.applied = True
+    # Inherited by child processes: they apply too (see _inherit.py).
+    os.environ[ENV_APPLIED] = json.dumps(options)
     _state.options = options
     _state.applied = True
     _state.report = report
@@ -156,6 +160,7 @@ def apply(*, dtype: str | None = None) -> Status:
 def revert() -> None:
     """Undo everything apply() did in this process (identity restored); idempotent."""
     _state.journal.undo()
+    os.environ.pop(ENV_APPLIED, None)
     _state.applied = False
     _state.options = {}
     _state.report = None
