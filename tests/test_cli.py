@@ -93,7 +93,12 @@ def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_m
     assert not list(out.glob(".*.tmp"))
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["samples"] == n and manifest["written_this_run"] == n - len(first)
-    assert manifest["layer_ids"] == [0, 2, 5]
+    assert manifest["layer_ids"] == [0, 2, 5] and manifest["capture"] == "layer_output"
+    # resuming into this folder with another convention or other layers: refused
+    for change in (["--capture", "layer_input"], ["--layer-ids", "0,2,4"]):
+        bad = cli(*args, *change)
+        assert bad.returncode != 0 and "resuming would mix them" in bad.stderr, bad.stderr[-2000:]
+    assert json.loads((out / "manifest.json").read_text()) == manifest
     # the files are right: against the HF reference
     for i, p in enumerate(files):
         data = torch.load(p, weights_only=True)

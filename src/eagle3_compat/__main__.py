@@ -68,6 +68,7 @@ def _generate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype,
+        capture=args.capture,
     )
     print(
         f"{manifest['samples']} samples in {args.output} ({manifest['written_this_run']} written now, "
@@ -151,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--batch-size", type=int, default=64, help="prompts per generate() call")
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.add_argument("--dtype", default=None, choices=[None, "auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--capture", default="layer_output", choices=["layer_output", "layer_input"],
+                   help="layer_output: speculators 0.3.0 (output of layer k); layer_input: vLLM "
+                        "EAGLE-3 serving (input of layer k)")
     args = ap.parse_args(argv)
     return {"demo": _demo, "status": _status, "doctor": _doctor, "generate": _generate}[args.cmd](args)
 

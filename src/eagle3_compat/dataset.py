@@ -110,6 +110,26 @@ def _write_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+CONVENTIONS = {
+    "layer_output": "output of decoder layer k before the final norm (HF hidden_states[k+1])",
+    "layer_input": "input of decoder layer k, as vLLM's EAGLE-3 serving reads it (HF hidden_states[k])",
+}
+
+
+def _check_same_settings(output: Path, settings: dict[str, Any]) -> None:
+    path = output / MANIFEST
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+    old.setdefault("capture", "layer_output")  # manifests written before the option existed
+    diff = {k: {"folder": old[k], "now": v} for k, v in settings.items() if k in old and old[k] != v}
+    if diff:
+        raise ValueError(
+            f"{output} holds samples made with other settings {diff}; resuming would mix them. "
+            "Use a new --output folder or the original settings."
+        )
+
+
 def run_generate(
     model: str,
     input_path: Path,
@@ -119,7 +139,14 @@ def run_generate(
     batch_size: int,
     tensor_parallel_size: int,
     dtype: str | None,
+    capture: str = "layer_output",
 ) -> dict[str, Any]:
+    """Write one v1 training file per input line; resumable; returns the manifest.
+
+    A folder is tied to its settings (model, layer ids, capture point,
+    max_model_len, dtype): resuming with different ones is an error, never a
+    folder of mixed samples.
+    """
     import torch  # noqa: PLC0415
 
     import eagle3_compat  # noqa: PLC0415
@@ -131,6 +158,10 @@ def run_generate(
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     output.mkdir(parents=True, exist_ok=True)
+    early = {"model": model, "capture": capture, "max_model_len": max_model_len, "dtype": dtype}
+    if layer_ids is not None:
+        early["layer_ids"] = list(layer_ids)
+    _check_same_settings(output, early)  # before the engine starts, where possible
     tokenizer = AutoTokenizer.from_pretrained(model)
     samples = list(read_jsonl(input_path, tokenizer, max_model_len - 1))
     todo = [s for s in samples if not sample_path(output, s.index).exists()]
@@ -138,9 +169,14 @@ def run_generate(
     tokens = 0
     t0 = time.perf_counter()
     with VllmHiddenStatesGenerator(
-        model, layer_ids=layer_ids, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size
+        model, layer_ids=layer_ids, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+        capture=capture,
     ) as gen:
         layer_ids = list(gen.layer_ids)
+        settings = {"model": model, "layer_ids": layer_ids, "capture": capture,
+                    "max_model_len": max_model_len, "dtype": dtype}
+        _check_same_settings(output, settings)
+        (output / MANIFEST).write_text(json.dumps({**settings, "complete": False}, indent=1) + "\n")
         try:
             from tqdm import tqdm  # noqa: PLC0415
 
@@ -170,9 +206,9 @@ def run_generate(
     found = eagle3_compat.status().found
     manifest = {
         "format": "speculators-eagle3-v1",
-        "model": model,
-        "layer_ids": layer_ids,
-        "layer_convention": "output of decoder layer k before the final norm (HF hidden_states[k+1])",
+        **settings,
+        "complete": True,
+        "layer_convention": CONVENTIONS[capture],
         "samples": len(samples),
         "written_this_run": len(todo),
         "tokens_this_run": tokens,
