@@ -146,24 +146,24 @@ class CaptureWorkerExtension:
         self._e3c_debug = os.environ.get("EAGLE3_COMPAT_DEBUG", "") not in ("", "0")
         handles = []
 
+        def keep(slot: int, h: Any) -> None:
+            step = self._e3c_step
+            if step is None:
+                return  # warm-up, profiling, or not armed: never captured
+            # Copy off the device now (scheduled rows only): memory stays flat.
+            step.layers[slot] = h[: step.total].detach().to("cpu", copy=True)
+
         def layer_hook(slot: int):
             def hook(_module, _args, out):
-                step = self._e3c_step
-                if step is None:
-                    return  # warm-up, profiling, or not armed: never captured
-                h = _layer_output(out)[: step.total]
-                # Copy off the device now: memory stays flat over a call.
-                step.layers[slot] = h.detach().to("cpu", copy=True)
+                if self._e3c_step is not None:
+                    keep(slot, _layer_output(out))
 
             return hook
 
         def layer_pre_hook(slot: int, read: Any):
             def hook(_module, args, kwargs):
-                step = self._e3c_step
-                if step is None:
-                    return
-                h = read(args, kwargs)[: step.total]
-                step.layers[slot] = h.detach().to("cpu", copy=True)
+                if self._e3c_step is not None:
+                    keep(slot, read(args, kwargs))
 
             return hook
 
