@@ -274,7 +274,7 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
         unpack(captured),
         self.layer_ids,
         cat=lambda parts: torch.cat(parts, dim=0),
-        check_finite=lambda t: bool(torch.isfinite(t).all()),
+        check_finite=_all_finite,
     )
     log.debug(
         "call %d: %d prompts, %d steps, %d foreign rows",
@@ -291,6 +291,19 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
         }
         for ids, states in zip(prompts, results)
     ]
+
+
+def _all_finite(t: Any) -> bool:
+    """Whether every value of ``t`` is finite.
+
+    A float32 sum is non-finite whenever any entry is inf or NaN, and costs a
+    fraction of an elementwise ``isfinite`` on bfloat16 (profiled:
+    ~30x less on this CPU; it was the driver's largest cost per call).  Only a
+    sum that overflows on finite values falls back to the elementwise check.
+    """
+    import torch  # noqa: PLC0415
+
+    return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
 
 
 class EngineDiedError(RuntimeError):

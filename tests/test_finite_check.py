@@ -1,0 +1,28 @@
+"""The driver's finiteness check (a float32 sum first, elementwise on overflow)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from eagle3_compat.generator import _all_finite  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_any_non_finite_entry_is_seen(dtype, bad):
+    x = torch.randn(257, 64).to(dtype)
+    assert _all_finite(x)
+    for row, col in ((0, 0), (256, 63), (100, 17)):
+        y = x.clone()
+        y[row, col] = bad
+        assert not _all_finite(y)
+
+
+def test_finite_values_whose_sum_overflows_are_finite():
+    big = torch.full((64, 64), 3.0e38, dtype=torch.float32)
+    assert not torch.isfinite(big.sum())
+    assert _all_finite(big)
+    big[3, 3] = float("nan")
+    assert not _all_finite(big)
