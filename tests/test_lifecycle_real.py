@@ -177,16 +177,44 @@ SPAWN_SCRIPT = textwrap.dedent(
 )
 
 
+def _need_pth():
+    import site
+
+    if not any(os.path.exists(os.path.join(d, "eagle3_compat_inherit.pth")) for d in site.getsitepackages()):
+        pytest.skip("eagle3_compat is not installed from its wheel here (PYTHONPATH run); tox installs it")
+
+
+@pytest.mark.parametrize("first", ["apply", "import speculators"])
+def test_inheriting_child_applies_once_whatever_it_does_first(first):
+    """A child with the parent's EAGLE3_COMPAT_APPLIED: importing speculators
+    applies; an explicit apply() (whose probes import speculators, firing the
+    hook from inside apply) must not trip over itself."""
+    _need_pth()
+    code = textwrap.dedent(
+        """
+        import json
+        {first}
+        import eagle3_compat
+        from speculators.data_generation import VllmHiddenStatesGenerator as G
+        from eagle3_compat import generator as g
+        print("RESULT" + json.dumps({{"patched": G.__dict__["__init__"] is g.generator_init,
+                                      "options": eagle3_compat.status().options}}))
+        """
+    ).format(first={"apply": "import eagle3_compat; eagle3_compat.apply(dtype='float32')",
+                    "import speculators": "import speculators.data_generation"}[first])
+    env = {**os.environ, "EAGLE3_COMPAT_APPLIED": json.dumps({"dtype": "float32"})}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))[6:])
+    assert out == {"patched": True, "options": {"dtype": "float32"}}
+
+
 def test_spawned_child_is_patched_exactly_when_the_parent_applied(tmp_path):
     """apply() inside ``if __name__ == "__main__":`` (the child does not re-run
     it): the child is patched, with the parent's options, iff the parent had
     applied when it started the child.  Needs the installed package's
     ``eagle3_compat_inherit.pth`` (tox installs it)."""
-    import site
-
-    pth = [d for d in site.getsitepackages() if os.path.exists(os.path.join(d, "eagle3_compat_inherit.pth"))]
-    if not pth:
-        pytest.skip("eagle3_compat is not installed from its wheel here (PYTHONPATH run); tox installs it")
+    _need_pth()
     script = tmp_path / "parent.py"
     script.write_text(SPAWN_SCRIPT)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)

@@ -130,6 +130,7 @@ def apply(*, dtype: str | None = None) -> Status:
 
     journal = _state.journal
     mark = journal.mark()
+    _state.applying = True
     vminor = minor(vv)
     current = None
     try:
@@ -148,6 +149,8 @@ def apply(*, dtype: str | None = None) -> Status:
         journal.undo(mark)
         name = current.id if current is not None else "?"
         raise AdapterError(name, ", ".join(current.targets) if current else "?", repr(exc)) from exc
+    finally:
+        _state.applying = False
     report.applied = True
     # Inherited by child processes: they apply too (see _inherit.py).
     os.environ[ENV_APPLIED] = json.dumps(options)

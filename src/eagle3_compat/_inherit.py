@@ -29,7 +29,12 @@ TARGET = "speculators.data_generation.vllm_hidden_states_generator"
 
 def _apply(options: dict[str, Any]) -> None:
     import eagle3_compat  # noqa: PLC0415
+    from eagle3_compat import _state  # noqa: PLC0415
 
+    # An explicit apply() importing speculators (its probes do) fires this
+    # hook from inside itself: that call is already doing the work.
+    if _state.applying:
+        return
     eagle3_compat.apply(**options)
 
 

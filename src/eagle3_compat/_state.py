@@ -8,5 +8,6 @@ from ._journal import Journal
 
 journal = Journal()
 applied: bool = False
+applying: bool = False  # inside apply(): its own imports must not re-enter it
 options: dict[str, Any] = {}
 report: Any = None  # the last Status
