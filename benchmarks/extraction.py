@@ -114,34 +114,28 @@ def _spec040_cpu_shim() -> str | None:
             f"{kv_bytes / 2**30:g} GiB (VLLM_CPU_KVCACHE_SPACE)")
 
 
-def _fast_finite(t) -> bool:
-    """Exact "all elements finite": an inf or nan element makes the float32 sum
-    non-finite; a non-finite sum of finite values (overflow) falls back to the
-    elementwise check."""
+def _old_finite_check() -> str:
+    """BENCHMARK-ONLY (mode ``compat-oldcheck``): the finiteness check before the fix.
+
+    eagle3_compat's driver used to check every result tensor with
+    ``torch.isfinite(t).all()`` (one elementwise pass per prompt and layer,
+    slow for bfloat16 on CPU; RESULTS.md, "Profile").  It now sums in float32
+    first (``eagle3_compat.generator._all_finite``).  This mode puts the old
+    check back, by wrapping ``eagle3_compat.generator.assemble``, so the
+    before/after can be reproduced; everything else is unchanged.
+    """
     import torch
 
-    return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
-
-
-def _preview_fast_finite_check() -> str:
-    """BENCHMARK-ONLY (mode ``compat-fastcheck``): preview of a proposed src/ change.
-
-    eagle3_compat's driver checks every result tensor with
-    ``torch.isfinite(t).all()`` (one elementwise pass plus a reduction per
-    prompt and layer, slow for bfloat16 on CPU).  This mode swaps in
-    :func:`_fast_finite` (one vectorised float32 sum) by wrapping
-    ``eagle3_compat.generator.assemble``; everything else is unchanged.
-    """
     import eagle3_compat.generator as g
 
     original = g.assemble
 
     def assemble(*args, **kwargs):
-        kwargs["check_finite"] = _fast_finite
+        kwargs["check_finite"] = lambda t: bool(torch.isfinite(t).all())
         return original(*args, **kwargs)
 
     g.assemble = assemble
-    return "compat-fastcheck: benchmark-only preview of the proposed finiteness check (RESULTS.md)"
+    return "compat-oldcheck: compat with the pre-fix elementwise finiteness check (benchmark-only)"
 
 
 def _order_errors(batch: list[list[int]], out: list[dict]) -> int:
@@ -183,12 +177,12 @@ def child(mode: str, model: str, tp: int, prompts_file: str, calls: int, layer_i
             llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
             return None
     else:
-        if mode in ("compat", "compat-fastcheck"):
+        if mode in ("compat", "compat-oldcheck"):
             import eagle3_compat
 
             eagle3_compat.apply()
-            if mode == "compat-fastcheck":
-                notes.append(_preview_fast_finite_check())
+            if mode == "compat-oldcheck":
+                notes.append(_old_finite_check())
         from speculators.data_generation import VllmHiddenStatesGenerator
 
         if mode == "spec040":
