@@ -58,9 +58,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=[] if c == "apply-in-workers" else [pytest.mark.extended]) for c in CASES]
-)
+@pytest.mark.extended
+@pytest.mark.parametrize("case", list(CASES))
 def test_environment_case_gives_correct_data(tiny_models, tmp_path, case):
     pre, env_extra = CASES[case]
     script = tmp_path / "user_script.py"

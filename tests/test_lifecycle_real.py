@@ -184,6 +184,9 @@ def _need_pth():
         pytest.skip("eagle3_compat is not installed from its wheel here (PYTHONPATH run); tox installs it")
 
 
+# Interpreter mechanics (environment, .pth, import hook), not vLLM behaviour:
+# extended (runs in the oldest and newest vLLM envs).
+@pytest.mark.extended
 @pytest.mark.parametrize("first", ["apply", "import speculators"])
 def test_inheriting_child_applies_once_whatever_it_does_first(first):
     """A child with the parent's EAGLE3_COMPAT_APPLIED: importing speculators
@@ -209,6 +212,7 @@ def test_inheriting_child_applies_once_whatever_it_does_first(first):
     assert out == {"patched": True, "options": {"dtype": "float32"}}
 
 
+@pytest.mark.extended
 def test_spawned_child_is_patched_exactly_when_the_parent_applied(tmp_path):
     """apply() inside ``if __name__ == "__main__":`` (the child does not re-run
     it): the child is patched, with the parent's options, iff the parent had
