@@ -173,8 +173,7 @@ def run_generate(
         capture=capture,
     ) as gen:
         layer_ids = list(gen.layer_ids)
-        settings = {"model": model, "layer_ids": layer_ids, "capture": capture,
-                    "max_model_len": max_model_len, "dtype": dtype}
+        settings = {**early, "layer_ids": layer_ids}  # with the resolved default layers
         _check_same_settings(output, settings)
         (output / MANIFEST).write_text(json.dumps({**settings, "complete": False}, indent=1) + "\n")
         try:
