@@ -33,19 +33,16 @@ def test_doctor_fails_on_unsupported_version():
 
 
 @pytest.mark.extended
-def test_demo_prints_table_and_passes():
-    proc = cli("demo")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "max rel err" in proc.stdout and "(OK)" in proc.stdout
+def test_demo_passes_and_debug_logging_is_visible_from_the_engine_process():
+    """One demo run (each costs an engine start): its table says OK, and with
+    EAGLE3_COMPAT_DEBUG the per-step capture lines come from vLLM's engine
+    process, not the driver."""
+    import re
 
-
-@pytest.mark.extended
-def test_debug_logging_is_visible_from_the_engine_process():
     env = dict(os.environ, EAGLE3_COMPAT_DEBUG="1")
     proc = cli("demo", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    import re
-
+    assert "max rel err" in proc.stdout and "(OK)" in proc.stdout
     pids = set(re.findall(r"eagle3_compat\[(\d+)\] eagle3_compat.worker: step \d+: \d+ rows", proc.stderr))
     assert pids, proc.stderr[-3000:]
     driver = set(re.findall(r"eagle3_compat\[(\d+)\] eagle3_compat.generator", proc.stderr))
@@ -75,15 +72,20 @@ def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_m
     args = ["generate", "--model", str(model), "--input", str(inp), "--output", str(out),
             "--layer-ids", "0,2,5", "--max-model-len", "128", "--batch-size", "2", "--dtype", "float32"]
     # first run: killed as soon as the first samples are on disk
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3_compat", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    log = tmp_path / "first-run.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "eagle3_compat", *args], stdout=f, stderr=f,
+                                start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not list(out.glob("sample_*.pt")) and proc.poll() is None:
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     first = {p.name: p.stat().st_mtime_ns for p in out.glob("sample_*.pt")}
-    assert 0 < len(first) < n
+    assert 0 < len(first) < n, log.read_text()[-3000:]
+    # a kill during a write leaves the writer's temporary file (sometimes: the
+    # timing decides); make sure there is one, by the killed writer's pid
+    (out / f".sample_{n - 1:09d}.pt.{proc.pid}.tmp").write_bytes(b"partial")
     # second run completes the rest, leaves the first run's files alone
     done = cli(*args)
     assert done.returncode == 0, done.stderr[-3000:]

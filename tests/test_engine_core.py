@@ -203,7 +203,6 @@ def test_tensor_parallel_2(tiny_models, monkeypatch):
     _check(results, model, prompts, [1, 5], F32_TOL)
 
 
-@pytest.mark.extended
 def test_matches_vllm_own_forward(gen, llama):
     """Reference (2): vLLM's unpatched forward, hooks via LLM.apply_model, one prompt per step."""
     from eagle3_compat.testing import compare, vllm_layer_outputs

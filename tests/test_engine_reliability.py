@@ -144,7 +144,6 @@ def test_close_twice_and_context_manager(model):
         g.generate([[5]])
 
 
-@pytest.mark.extended
 def test_killed_engine_is_a_clear_error_and_leaves_no_processes(model, gen):
     from speculators.data_generation import VllmHiddenStatesGenerator
 
@@ -169,7 +168,6 @@ def test_killed_engine_is_a_clear_error_and_leaves_no_processes(model, gen):
     check_correct(gen, model, [[5, 6, 7, 8]])
 
 
-@pytest.mark.extended
 def test_keyboard_interrupt_leaves_no_engine_processes(model, gen, monkeypatch):
     from speculators.data_generation import VllmHiddenStatesGenerator
 
@@ -189,7 +187,6 @@ def test_keyboard_interrupt_leaves_no_engine_processes(model, gen, monkeypatch):
     assert not [p for p in engine_children() if p.pid not in keep]
 
 
-@pytest.mark.extended
 def test_non_finite_states_are_reported(tmp_path, tiny_models):
     import torch
     from safetensors.torch import load_file, save_file
@@ -220,7 +217,6 @@ bad_prompt_st = st.one_of(
 )
 
 
-@pytest.mark.extended
 @settings(max_examples=12, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.lists(st.one_of(prompt_st, bad_prompt_st), min_size=1, max_size=6))

@@ -44,12 +44,12 @@ def _as_ref(hf, index):
 
 
 @pytest.mark.parametrize("family", ["llama", "olmo2"])
-def test_layer_ids_against_hf_hidden_states(tiny_models, family):
+def test_layer_ids_against_hf_hidden_states(tiny_models, family, vllm_minor):
     import torch
     from speculators.data_generation import VllmHiddenStatesGenerator
 
     from conftest import FULL
-    from eagle3_compat.testing import compare, max_rel_error
+    from eagle3_compat.testing import compare, max_rel_error, vllm_layer_outputs
 
     if family != "llama" and not FULL:
         pytest.skip("extended: Olmo2 (single-tensor layers) runs in the full suite")
@@ -59,32 +59,50 @@ def test_layer_ids_against_hf_hidden_states(tiny_models, family):
     layers = [0, 2, n - 1]
     hf_model, hf = _hf_hidden_states(model, prompts)
 
-    with VllmHiddenStatesGenerator(str(model), layer_ids=layers, max_model_len=256) as g:
+    # layer_output also captures layer 1, for the input/output relation below
+    with VllmHiddenStatesGenerator(str(model), layer_ids=[0, 1, 2, n - 1], max_model_len=256) as g:
         out = g.generate(prompts)
     with VllmHiddenStatesGenerator(str(model), layer_ids=layers, max_model_len=256,
                                    capture="layer_input") as g:
         assert g.capture == "layer_input"
         inp = g.generate(prompts)
 
+    try:
+        _check_against_hf(out, inp, hf, hf_model, prompts, layers, n)
+        # the input of layer 2 is the output of layer 1 (two engine runs:
+        # equal up to the CPU kernels' run-to-run rounding)
+        for a, b in zip(inp, out):
+            assert max_rel_error(a["hidden_states"][1], b["hidden_states"][1]) < 1e-5
+    except AssertionError as exc:
+        # Only where vLLM's own forward (no eagle3_compat) disagrees with HF
+        # too (seen: Olmo2 and Qwen3 on the vLLM 0.12 and 0.13 CPU builds,
+        # where it also differs between engine runs past the first token; the
+        # family test in test_engine_core.py pins the capture to vLLM's own
+        # one-prompt forward there).
+        own = vllm_layer_outputs(model, prompts, [0])
+        own_results = [{"input_ids": torch.tensor(p), "hidden_states": o} for p, o in zip(prompts, own)]
+        with pytest.raises(AssertionError):
+            compare(own_results, _as_ref(hf, [1]), prompts, [0], TOL)
+        pytest.xfail(f"vLLM {vllm_minor[0]}.{vllm_minor[1]}'s own {family} forward differs from HF: {exc}")
+
+
+def _check_against_hf(out, inp, hf, hf_model, prompts, layers, n):
+    import torch
+
+    from eagle3_compat.testing import compare, max_rel_error
+
     # layer_output: k -> hidden_states[k + 1] below the last layer
-    inner = [{"input_ids": r["input_ids"], "hidden_states": r["hidden_states"][:2]} for r in out]
-    compare(inner, _as_ref(hf, [1, 3]), prompts, [0, 2], TOL)
+    inner = [{"input_ids": r["input_ids"], "hidden_states": r["hidden_states"][:3]} for r in out]
+    compare(inner, _as_ref(hf, [1, 2, 3]), prompts, [0, 1, 2], TOL)
     # ... and for the last layer HF's entry is the final norm of the captured state
     norm = hf_model.model.norm
     for i, r in enumerate(out):
-        last = r["hidden_states"][2]
+        last = r["hidden_states"][3]
         with torch.no_grad():
             assert max_rel_error(norm(last), hf[i][n]) < TOL, i
         assert max_rel_error(last, hf[i][n]) > 1e-2, i  # not already normed
-
     # layer_input: k -> hidden_states[k] (k = 0: the embeddings)
     compare(inp, _as_ref(hf, [0, 2, n - 1]), prompts, layers, TOL)
-    # the input of layer k is the output of layer k - 1 (another engine run:
-    # equal up to the CPU kernels' run-to-run rounding)
-    with VllmHiddenStatesGenerator(str(model), layer_ids=[1], max_model_len=256) as g:
-        out1 = g.generate(prompts)
-    for a, b in zip(inp, out1):
-        assert max_rel_error(a["hidden_states"][1], b["hidden_states"][0]) < 1e-5
 
 
 def test_capture_argument_is_checked(tiny_models):

@@ -89,7 +89,7 @@ def read_jsonl(path: Path, tokenizer: Any, max_length: int) -> Iterator[Sample]:
 
 
 def _validate(result: dict[str, Any], sample: Sample, layer_ids: Sequence[int]) -> None:
-    import torch  # noqa: PLC0415
+    from .generator import _all_finite  # noqa: PLC0415
 
     n = len(result["input_ids"])
     states = result["hidden_states"]
@@ -98,7 +98,7 @@ def _validate(result: dict[str, Any], sample: Sample, layer_ids: Sequence[int]) 
     for k, h in zip(layer_ids, states):
         if h.dim() != 2 or h.shape[0] != n:
             raise RuntimeError(f"sample {sample.index}, layer {k}: shape {tuple(h.shape)} for {n} tokens")
-        if not bool(torch.isfinite(h).all()):
+        if not _all_finite(h):
             raise RuntimeError(f"sample {sample.index}, layer {k}: non-finite values")
 
 
@@ -108,6 +108,31 @@ def _write_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_partials(output: Path) -> list[Path]:
+    """Delete the temporary files (``.sample_*.pt.<pid>.tmp``) that a killed
+    run left behind, i.e. those whose writing process is gone; returns them.
+    A file is only ever renamed into place whole, so these are never samples."""
+    removed = []
+    for tmp in output.glob(".sample_*.pt.*.tmp"):
+        pid = tmp.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    if removed:
+        log.warning("removed %d partial file(s) left by an interrupted run in %s", len(removed), output)
+    return removed
 
 
 CONVENTIONS = {
@@ -162,6 +187,7 @@ def run_generate(
     if layer_ids is not None:
         early["layer_ids"] = list(layer_ids)
     _check_same_settings(output, early)  # before the engine starts, where possible
+    remove_stale_partials(output)
     tokenizer = AutoTokenizer.from_pretrained(model)
     samples = list(read_jsonl(input_path, tokenizer, max_model_len - 1))
     todo = [s for s in samples if not sample_path(output, s.index).exists()]
