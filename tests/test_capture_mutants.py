@@ -12,7 +12,7 @@ import sys
 import types
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
 from eagle3_compat import capture
 
@@ -55,8 +55,9 @@ def test_real_core_passes_the_check():
 def test_mutant_is_caught(name):
     mod = mutant(name)
 
-    @settings(max_examples=200, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    # no shrinking: finding any counterexample is the point, not the smallest
+    @settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+              phases=[Phase.explicit, Phase.generate])
     @given(scenarios())
     def prop(sc):
         check_reassembly(sc, core=mod)

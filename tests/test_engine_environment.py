@@ -1,25 +1,29 @@
 """Environment variations a user's run may have; each must give correct data.
 
-Each case runs a small script in a fresh interpreter (the engine reads these
-settings when it starts) and compares with Hugging Face float32:
+Each case runs in a fresh interpreter (the engine reads these settings when
+it starts) and compares with Hugging Face float32.  Two runs cover three
+variations (each run costs an interpreter and an engine start):
 
 * ``fork``: ``VLLM_WORKER_MULTIPROC_METHOD=fork`` instead of spawn (vLLM's
   CPU platform overrides it to spawn itself, ``platforms/cpu.py``; on CUDA a
   forked worker inherits the driver's modules; the worker extension is
-  imported by name either way);
-* ``plugins``: a ``VLLM_PLUGINS`` allow-list naming only some other plugin
-  (eagle3_compat needs no vLLM plugin: its worker side is the engine's
-  ``worker_extension_cls``, imported by name), with speculators imported
-  before ``apply()``;
-* ``apply-in-workers``: ``apply()`` at the top of the user's script, so that
-  vLLM's spawned engine and worker processes, which re-import the script,
-  run it too (checked by a marker each process writes).
+  imported by name either way).  This run is the README's main command,
+  ``python -m eagle3_compat demo``, with ``EAGLE3_COMPAT_DEBUG=1``: its table
+  must say OK and the per-step capture lines must come from vLLM's engine
+  process, not the driver (logging visible in worker processes).
+* ``plugins+apply-in-workers``: a ``VLLM_PLUGINS`` allow-list naming only
+  some other plugin (eagle3_compat needs no vLLM plugin: its worker side is
+  the engine's ``worker_extension_cls``, imported by name), speculators
+  imported before ``apply()``, and ``apply()`` at the top of the user's
+  script, so that vLLM's spawned engine process, which re-imports the
+  script, runs it too (checked by a marker each process writes).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -51,28 +55,41 @@ SCRIPT = textwrap.dedent(
     """
 )
 
-CASES = {
-    "fork": ("", {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}),
-    "plugins": ("import speculators.data_generation", {"VLLM_PLUGINS": "some_other_plugin"}),
-    "apply-in-workers": ("", {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}),
-}
 
 
-@pytest.mark.extended
-@pytest.mark.parametrize("case", list(CASES))
-def test_environment_case_gives_correct_data(tiny_models, tmp_path, case):
-    pre, env_extra = CASES[case]
+def _run_script(tmp_path, model):
     script = tmp_path / "user_script.py"
-    script.write_text(SCRIPT.format(pre=pre))
+    script.write_text(SCRIPT.format(pre="import speculators.data_generation"))
     markers = tmp_path / "markers"
     markers.mkdir()
-    env = {**os.environ, **env_extra, "E3C_MARKERS": str(markers)}
-    proc = subprocess.run([sys.executable, str(script), str(tiny_models("llama"))], env=env,
+    env = {**os.environ, "VLLM_PLUGINS": "some_other_plugin", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+           "E3C_MARKERS": str(markers)}
+    proc = subprocess.run([sys.executable, str(script), str(model)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
     assert json.loads(line[len("RESULT"):])["worst"] < 1e-4
+    # the driver and vLLM's engine-core process (spawned: it re-imports the script)
     applied_in = len(list(markers.iterdir()))
-    if case == "apply-in-workers":
-        # the driver and vLLM's engine-core process (spawned: it re-imports the script)
-        assert applied_in >= 2, applied_in
+    assert applied_in >= 2, applied_in
+
+
+def _run_demo_forked():
+    env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork", "EAGLE3_COMPAT_DEBUG": "1"}
+    proc = subprocess.run([sys.executable, "-m", "eagle3_compat", "demo"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "max rel err" in proc.stdout and "(OK)" in proc.stdout, proc.stdout
+    pids = set(re.findall(r"eagle3_compat\[(\d+)\] eagle3_compat.worker: step \d+: \d+ rows", proc.stderr))
+    assert pids, proc.stderr[-3000:]
+    driver = set(re.findall(r"eagle3_compat\[(\d+)\] eagle3_compat.generator", proc.stderr))
+    assert driver and not (pids & driver)  # logged by vLLM's engine process, not the driver
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("case", ["fork", "plugins+apply-in-workers"])
+def test_environment_case_gives_correct_data(tiny_models, tmp_path, case):
+    if case == "fork":
+        _run_demo_forked()
+    else:
+        _run_script(tmp_path, tiny_models("llama"))

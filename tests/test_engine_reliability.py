@@ -237,16 +237,24 @@ def test_fuzz_generate_valid_or_value_error(gen, model, prompts):
 @pytest.mark.extended
 @pytest.mark.parametrize("victim", ["worker rank 1", "worker rank 0"])
 def test_killed_tensor_parallel_worker_is_a_clear_error(model, monkeypatch, victim):
-    """TP 2: one worker process (a child of the engine core) dies mid-run."""
+    """TP 2: correct against HF float32 (35 prompts, several engine steps,
+    rows split across both ranks' batches), then one worker process (a child
+    of the engine core) dies mid-run."""
     import psutil
     from speculators.data_generation import VllmHiddenStatesGenerator
 
     from eagle3_compat.generator import EngineDiedError
+    from eagle3_compat.testing import compare, hf_layer_outputs
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     keep = {p.pid for p in engine_children()}
-    g = VllmHiddenStatesGenerator(str(model), layer_ids=[0, 4], max_model_len=128, tensor_parallel_size=2)
-    assert g.generate([[5, 6, 7]])[0]["hidden_states"][1].shape == (3, 256)
+    layers = [1, 5] if victim.endswith("1") else [0, 4]
+    g = VllmHiddenStatesGenerator(str(model), layer_ids=layers, max_model_len=512, tensor_parallel_size=2)
+    if victim.endswith("1"):
+        prompts = mixed_prompts(35, 500, seed=7)
+        compare(g.generate(prompts), hf_layer_outputs(model, prompts, layers), prompts, layers, 1e-4)
+    else:
+        assert g.generate([[5, 6, 7]])[0]["hidden_states"][1].shape == (3, 256)
     mine = [p for p in engine_children() if p.pid not in keep]
     workers = sorted((p for p in mine if p.ppid() != os.getpid()), key=lambda p: p.pid)
     assert len(workers) >= 2, [(p.pid, p.name(), p.ppid()) for p in mine]

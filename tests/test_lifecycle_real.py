@@ -24,10 +24,21 @@ STEPS = {
     "speculators": "import speculators.data_generation",
     "apply": "import eagle3_compat; eagle3_compat.apply()",
 }
+# Right after speculators is imported (when that comes before apply): the
+# original objects, for the identity check after revert().
+SNAPSHOT = (
+    "from speculators.data_generation import VllmHiddenStatesGenerator as _G\n"
+    "before = {n: _G.__dict__.get(n) for n in NAMES}"
+)
 
+# One fresh interpreter per import order (each costs ~16 s of imports); each
+# run also checks revert()'s identity guarantee (where speculators came before
+# apply), apply() with other options, and an adapter failing mid-apply.
 PROBE = textwrap.dedent(
     """
-    import json, sys
+    import json, sys, warnings
+    NAMES = ("__init__", "generate", "__del__", "close", "__enter__")
+    before = None
     {steps}
     import eagle3_compat
     from speculators.data_generation import VllmHiddenStatesGenerator as G
@@ -39,16 +50,40 @@ PROBE = textwrap.dedent(
             "close": "close" in G.__dict__,
         }}
     out = {{"after_apply": state()}}
+    if before is not None:
+        out["changed"] = sorted(n for n, v in before.items() if G.__dict__.get(n) is not v)
     eagle3_compat.apply()  # twice: no-op
     out["twice"] = state()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        eagle3_compat.apply(dtype="float32")  # different options: warns, keeps the first
+    out["other_options"] = [str(x.message) for x in w]
+    out["kept"] = eagle3_compat.status().options
+    out["other_options_state"] = state()
     eagle3_compat.revert()
     out["after_revert"] = state()
+    if before is not None:
+        out["same_objects"] = all(G.__dict__.get(n) is v for n, v in before.items())
     out["status_after_revert"] = eagle3_compat.status().note
     eagle3_compat.revert()  # second revert: no-op
     out["after_second_revert"] = state()
     eagle3_compat.apply()
     out["reapplied"] = state()
     eagle3_compat.revert()
+
+    # an adapter whose probe fails: everything this call applied is rolled back
+    from eagle3_compat.adapters import worker_capture, AdapterError
+    init = G.__dict__["__init__"]
+    def broken():
+        raise AdapterError("worker-capture", "vllm InputBatch.req_ids", "missing")
+    object.__setattr__(worker_capture.ADAPTER, "probe", broken)  # frozen dataclass
+    try:
+        eagle3_compat.apply()
+        out["failing_msg"] = None
+    except AdapterError as e:
+        out["failing_msg"] = str(e)
+    out["failing_rolled_back"] = G.__dict__["__init__"] is init and "close" not in G.__dict__
+    out["failing_applied"] = eagle3_compat.status().applied
     print("RESULT" + json.dumps(out))
     """
 )
@@ -62,6 +97,21 @@ def run(code: str) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
     return json.loads(line[len("RESULT"):])
+
+
+_RUNS: dict[tuple[str, ...], dict] = {}
+
+
+def probe(order: tuple[str, ...]) -> dict:
+    """The probe's result for this import order (one interpreter per order per session)."""
+    if order not in _RUNS:
+        lines = []
+        for step in order:
+            lines.append(STEPS[step])
+            if step == "speculators" and order.index("speculators") < order.index("apply"):
+                lines.append(SNAPSHOT)
+        _RUNS[order] = run(PROBE.format(steps="\n".join(lines)))
+    return _RUNS[order]
 
 
 def test_orders_cover_every_permutation():
@@ -78,69 +128,30 @@ ORDERS = list(itertools.permutations(STEPS))
     ids="-".join,
 )
 def test_every_import_order(order):
-    out = run(PROBE.format(steps="\n".join(STEPS[s] for s in order)))
+    out = probe(order)
     assert out["after_apply"] == PATCHED
     assert out["twice"] == PATCHED
     assert out["after_revert"] == ORIGINAL
     assert out["after_second_revert"] == ORIGINAL
     assert out["reapplied"] == PATCHED
+    if order.index("speculators") < order.index("apply"):
+        assert out["same_objects"] is True
 
 
 def test_revert_restores_the_very_objects():
-    out = run(
-        textwrap.dedent(
-            """
-            import json
-            from speculators.data_generation import VllmHiddenStatesGenerator as G
-            before = {n: G.__dict__.get(n) for n in ("__init__", "generate", "__del__", "close", "__enter__")}
-            import warnings
-            import eagle3_compat
-            eagle3_compat.apply()
-            with warnings.catch_warnings(record=True) as w:
-                warnings.simplefilter("always")
-                eagle3_compat.apply(dtype="float32")  # different options: warns, keeps the first
-            other = [str(x.message) for x in w]
-            kept = eagle3_compat.status().options
-            changed = [n for n, v in before.items() if G.__dict__.get(n) is not v]
-            eagle3_compat.revert()
-            same = all(G.__dict__.get(n) is v for n, v in before.items())
-            print("RESULT" + json.dumps({"changed": changed, "same": same, "other": other,
-                                          "kept": kept, "added_gone": "close" not in G.__dict__}))
-            """
-        )
-    )
-    assert sorted(out["changed"]) == ["__del__", "__enter__", "__init__", "close", "generate"]
-    assert out["same"] and out["added_gone"]
-    assert len(out["other"]) == 1 and "already ran" in out["other"][0]
-    assert out["kept"] == {"dtype": None}
+    out = probe(ORDERS[0])  # speculators imported before apply: originals recorded
+    assert out["changed"] == ["__del__", "__enter__", "__init__", "close", "generate"]
+    assert out["same_objects"] is True
+    assert out["after_revert"] == ORIGINAL  # added attributes gone
+    assert len(out["other_options"]) == 1 and "already ran" in out["other_options"][0]
+    assert out["kept"] == {"dtype": None} and out["other_options_state"] == PATCHED
 
 
 def test_failing_adapter_rolls_back_and_names_itself():
-    out = run(
-        textwrap.dedent(
-            """
-            import json
-            import eagle3_compat
-            from eagle3_compat.adapters import worker_capture, AdapterError
-            from speculators.data_generation import VllmHiddenStatesGenerator as G
-            init = G.__dict__["__init__"]
-            def broken():
-                raise AdapterError("worker-capture", "vllm InputBatch.req_ids", "missing")
-            worker_capture.ADAPTER.__dict__  # frozen dataclass: replace the probe via object.__setattr__
-            object.__setattr__(worker_capture.ADAPTER, "probe", broken)
-            try:
-                eagle3_compat.apply()
-                msg = None
-            except AdapterError as e:
-                msg = str(e)
-            print("RESULT" + json.dumps({"msg": msg, "rolled_back": G.__dict__["__init__"] is init,
-                                          "applied": eagle3_compat.status().applied}))
-            """
-        )
-    )
-    assert "worker-capture" in out["msg"] and "InputBatch.req_ids" in out["msg"]
-    assert out["rolled_back"] is True
-    assert out["applied"] is False
+    out = probe(ORDERS[0])
+    assert "worker-capture" in out["failing_msg"] and "InputBatch.req_ids" in out["failing_msg"]
+    assert out["failing_rolled_back"] is True
+    assert out["failing_applied"] is False
 
 
 SPAWN_SCRIPT = textwrap.dedent(
@@ -185,26 +196,24 @@ def _need_pth():
 
 
 # Interpreter mechanics (environment, .pth, import hook), not vLLM behaviour:
-# extended (runs in the oldest and newest vLLM envs).
+# extended (runs in the oldest and newest vLLM envs).  The child that just
+# imports speculators is the "applied" case of the spawn test below.
 @pytest.mark.extended
-@pytest.mark.parametrize("first", ["apply", "import speculators"])
-def test_inheriting_child_applies_once_whatever_it_does_first(first):
-    """A child with the parent's EAGLE3_COMPAT_APPLIED: importing speculators
-    applies; an explicit apply() (whose probes import speculators, firing the
-    hook from inside apply) must not trip over itself."""
+def test_inheriting_child_that_applies_first_applies_once():
+    """A child with the parent's EAGLE3_COMPAT_APPLIED that calls apply()
+    itself: apply()'s probes import speculators, firing the inherit hook from
+    inside apply; it must not trip over itself."""
     _need_pth()
     code = textwrap.dedent(
         """
         import json
-        {first}
-        import eagle3_compat
+        import eagle3_compat; eagle3_compat.apply(dtype='float32')
         from speculators.data_generation import VllmHiddenStatesGenerator as G
         from eagle3_compat import generator as g
-        print("RESULT" + json.dumps({{"patched": G.__dict__["__init__"] is g.generator_init,
-                                      "options": eagle3_compat.status().options}}))
+        print("RESULT" + json.dumps({"patched": G.__dict__["__init__"] is g.generator_init,
+                                     "options": eagle3_compat.status().options}))
         """
-    ).format(first={"apply": "import eagle3_compat; eagle3_compat.apply(dtype='float32')",
-                    "import speculators": "import speculators.data_generation"}[first])
+    )
     env = {**os.environ, "EAGLE3_COMPAT_APPLIED": json.dumps({"dtype": "float32"})}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

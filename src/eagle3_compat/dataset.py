@@ -172,6 +172,12 @@ def run_generate(
     max_model_len, dtype): resuming with different ones is an error, never a
     folder of mixed samples.
     """
+    early = {"model": model, "capture": capture, "max_model_len": max_model_len, "dtype": dtype}
+    if layer_ids is not None:
+        early["layer_ids"] = list(layer_ids)
+    # before torch, vLLM and the engine are loaded: a mismatch fails in a second
+    _check_same_settings(output, early)
+
     import torch  # noqa: PLC0415
 
     import eagle3_compat  # noqa: PLC0415
@@ -183,10 +189,6 @@ def run_generate(
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     output.mkdir(parents=True, exist_ok=True)
-    early = {"model": model, "capture": capture, "max_model_len": max_model_len, "dtype": dtype}
-    if layer_ids is not None:
-        early["layer_ids"] = list(layer_ids)
-    _check_same_settings(output, early)  # before the engine starts, where possible
     remove_stale_partials(output)
     tokenizer = AutoTokenizer.from_pretrained(model)
     samples = list(read_jsonl(input_path, tokenizer, max_model_len - 1))

@@ -24,6 +24,7 @@ from typing import Any
 
 __all__ = [
     "FAMILIES",
+    "VllmReference",
     "compare",
     "ensure_applied",
     "hf_layer_outputs",
@@ -258,6 +259,109 @@ def _vllm_hook_setup(model: Any, layer_ids: list[int]) -> None:  # runs in the w
     model._e3c_ref_handles = [layers[k].register_forward_hook(hook(k)) for k in layer_ids]
 
 
+class VllmReference:
+    """vLLM's own, unpatched engine as a reference (reference (2)); one engine start.
+
+    ``layer_outputs`` reads decoder-layer outputs through forward hooks
+    installed with ``LLM.apply_model``, one prompt per step;
+    ``batching_drift`` measures how much vLLM's own prompt log-probabilities
+    depend on batching.  Both may run on the same engine (the hooks record
+    only inside ``layer_outputs``).  Use as a context manager.
+    """
+
+    def __init__(self, model_path: str | Path, max_len: int, dtype: str = "float32") -> None:
+        import os  # noqa: PLC0415
+
+        from vllm import LLM  # noqa: PLC0415
+
+        # apply_model ships functions to the engine process with pickle; allow
+        # it while this reference engine lives (the driver reads it on every
+        # call, the engine when it is spawned); close() restores it.
+        self._saved_env = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        self._hooked: list[int] | None = None
+        self.llm: Any = None
+        try:
+            self.llm = LLM(
+                model=str(model_path),
+                dtype=dtype,
+                enforce_eager=True,
+                compilation_config=0,
+                enable_prefix_caching=False,
+                max_model_len=max_len + 8,
+                max_num_batched_tokens=max(8192, max_len + 8),
+                seed=0,
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def layer_outputs(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int]) -> list[list[Any]]:
+        """Per prompt, per layer id: the decoder layer's output rows, one prompt per step."""
+        from vllm import SamplingParams  # noqa: PLC0415
+
+        ids = list(layer_ids)
+        if self._hooked is None:
+            self.llm.apply_model(lambda m: _vllm_hook_setup(m, ids))
+            self._hooked = ids
+        elif self._hooked != ids:
+            raise ValueError(f"this reference engine hooks layers {self._hooked}, not {ids}")
+        out = []
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        for p in prompts:
+            def start(m):
+                m._e3c_ref_store.append({})
+                m._e3c_ref_on = True
+
+            self.llm.apply_model(start)
+            self.llm.generate([{"prompt_token_ids": list(p)}], params, use_tqdm=False)
+
+            def stop(m):
+                m._e3c_ref_on = False
+                return m._e3c_ref_store.pop()
+
+            got = self.llm.apply_model(stop)[0]
+            out.append([got[k][: len(p)] for k in ids])
+        return out
+
+    def batching_drift(self, prompts: Sequence[Sequence[int]]) -> float:
+        """Largest difference (nats) between vLLM's prompt log-probabilities when
+        the prompts run one per call and all in one call.  No capture involved:
+        a non-zero value is vLLM's behaviour, not ours."""
+        from vllm import SamplingParams  # noqa: PLC0415
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+        def logprobs(outs: Any) -> list[list[float]]:
+            return [[next(iter(d.values())).logprob if d else 0.0 for d in o.prompt_logprobs]
+                    for o in outs]
+
+        single = [logprobs(self.llm.generate([{"prompt_token_ids": list(p)}], params, use_tqdm=False))[0]
+                  for p in prompts]
+        batched = logprobs(self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
+                                             use_tqdm=False))
+        return max(abs(a - b) for s, b_ in zip(single, batched) for a, b in zip(s, b_))
+
+    def close(self) -> None:
+        import os  # noqa: PLC0415
+
+        llm, self.llm = self.llm, None
+        try:
+            if llm is not None:
+                llm.llm_engine.engine_core.shutdown()
+        finally:
+            if self._saved_env is None:
+                os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+            else:
+                os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = self._saved_env
+
+    def __enter__(self) -> VllmReference:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def vllm_layer_outputs(
     model_path: str | Path,
     prompts: Sequence[Sequence[int]],
@@ -265,80 +369,16 @@ def vllm_layer_outputs(
     dtype: str = "float32",
 ) -> list[list[Any]]:
     """Reference (2): vLLM's own forward, hooks via ``LLM.apply_model``, one prompt per step."""
-    import os  # noqa: PLC0415
-
-    from vllm import LLM, SamplingParams  # noqa: PLC0415
-
-    # apply_model ships functions to the engine process with pickle; allow it
-    # for this reference engine only (it is read when the engine is spawned).
-    saved = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    llm = LLM(
-        model=str(model_path),
-        dtype=dtype,
-        enforce_eager=True,
-        compilation_config=0,
-        enable_prefix_caching=False,
-        max_model_len=max(len(p) for p in prompts) + 8,
-        max_num_batched_tokens=max(8192, max(len(p) for p in prompts) + 8),
-        seed=0,
-    )
-    ids = list(layer_ids)
-    llm.apply_model(lambda m: _vllm_hook_setup(m, ids))
-    out = []
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    try:
-        for p in prompts:
-            def start(m):
-                m._e3c_ref_store.append({})
-                m._e3c_ref_on = True
-
-            llm.apply_model(start)
-            llm.generate([{"prompt_token_ids": list(p)}], params, use_tqdm=False)
-
-            def stop(m):
-                m._e3c_ref_on = False
-                return m._e3c_ref_store.pop()
-
-            got = llm.apply_model(stop)[0]
-            out.append([got[k][: len(p)] for k in ids])
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        if saved is None:
-            os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
-        else:
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = saved
-    return out
+    with VllmReference(model_path, max(len(p) for p in prompts), dtype) as ref:
+        return ref.layer_outputs(prompts, layer_ids)
 
 
 def vllm_batching_drift(
     model_path: str | Path, prompts: Sequence[Sequence[int]], dtype: str = "float32"
 ) -> float:
-    """How much vLLM's *own* results depend on batching, for this model on this machine.
-
-    Largest difference (nats) between vLLM's prompt log-probabilities when the
-    prompts run one per call and all in one call.  No capture involved: a
-    non-zero value is vLLM's behaviour, not ours.
-    """
-    from vllm import LLM, SamplingParams  # noqa: PLC0415
-
-    llm = LLM(model=str(model_path), dtype=dtype, enforce_eager=True, compilation_config=0,
-              enable_prefix_caching=False, max_model_len=max(len(p) for p in prompts) + 8, seed=0)
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-
-    def logprobs(outs: Any) -> list[list[float]]:
-        return [[next(iter(d.values())).logprob if d else 0.0 for d in o.prompt_logprobs]
-                for o in outs]
-
-    try:
-        single = [logprobs(llm.generate([{"prompt_token_ids": list(p)}], params, use_tqdm=False))[0]
-                  for p in prompts]
-        batched = logprobs(llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
-                                        use_tqdm=False))
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    return max(abs(a - b) for s, b_ in zip(single, batched) for a, b in zip(s, b_))
+    """How much vLLM's *own* results depend on batching (see :meth:`VllmReference.batching_drift`)."""
+    with VllmReference(model_path, max(len(p) for p in prompts), dtype) as ref:
+        return ref.batching_drift(prompts)
 
 
 def max_rel_error(got: Any, ref: Any) -> float:
