@@ -11,12 +11,14 @@ from __future__ import annotations
 import pytest
 
 from eagle3_compat.testing import ensure_applied
+from conftest import GEN_LAYERS, GEN_MAX_MODEL_LEN
 from prompts import mixed_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("applied_f32")]
 
-MAX_MODEL_LEN = 1024
-LAYERS = [5, 0, 2]  # unsorted; first and last layer of a 6-layer model
+# the session's shared generator (conftest): unsorted; first and last layer of a 6-layer model
+MAX_MODEL_LEN = GEN_MAX_MODEL_LEN
+LAYERS = GEN_LAYERS
 F32_TOL = 1e-4
 BF16_TOL = 5e-2
 
@@ -27,13 +29,8 @@ def llama(tiny_models):
 
 
 @pytest.fixture(scope="module")
-def gen(llama):
-    ensure_applied("float32")
-    from speculators.data_generation import VllmHiddenStatesGenerator
-
-    g = VllmHiddenStatesGenerator(str(llama), layer_ids=LAYERS, max_model_len=MAX_MODEL_LEN)
-    yield g
-    g.close()
+def gen(llama_gen):
+    return llama_gen
 
 
 def _check(results, model, prompts, layers, tol):

@@ -11,12 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import GEN_LAYERS
 from prompts import mixed_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("applied_f32")]
 
 
-LAYERS = [1, 4]
+LAYERS = GEN_LAYERS  # the session's shared generator (conftest)
 
 
 def engine_children():
@@ -41,15 +42,8 @@ def model(tiny_models):
 
 
 @pytest.fixture(scope="module")
-def gen(model):
-    from speculators.data_generation import VllmHiddenStatesGenerator
-
-    from eagle3_compat.testing import ensure_applied
-
-    ensure_applied("float32")
-    g = VllmHiddenStatesGenerator(str(model), layer_ids=LAYERS, max_model_len=256)
-    yield g
-    g.close()
+def gen(llama_gen):
+    return llama_gen
 
 
 def check_correct(gen, model, prompts):
@@ -133,17 +127,6 @@ def test_missing_model_and_unverified_architecture(tmp_path, model):
         VllmHiddenStatesGenerator(str(other), layer_ids=[0])
 
 
-def test_close_twice_and_context_manager(model):
-    from speculators.data_generation import VllmHiddenStatesGenerator
-
-    with VllmHiddenStatesGenerator(str(model), layer_ids=[0], max_model_len=128) as g:
-        assert g.generate([[5, 6, 7]])[0]["hidden_states"][0].shape == (3, 256)
-    g.close()
-    g.__del__()
-    with pytest.raises(RuntimeError, match="closed"):
-        g.generate([[5]])
-
-
 def test_killed_engine_is_a_clear_error_and_leaves_no_processes(model, gen):
     from speculators.data_generation import VllmHiddenStatesGenerator
 
@@ -168,23 +151,31 @@ def test_killed_engine_is_a_clear_error_and_leaves_no_processes(model, gen):
     check_correct(gen, model, [[5, 6, 7, 8]])
 
 
-def test_keyboard_interrupt_leaves_no_engine_processes(model, gen, monkeypatch):
+def test_keyboard_interrupt_then_close_twice_leaves_no_engine_processes(model, gen, monkeypatch):
+    """Ctrl-C inside generate() shuts the engine down by itself; the context
+    manager's exit, close() and __del__ after that are harmless, and the
+    generator says it is closed."""
     from speculators.data_generation import VllmHiddenStatesGenerator
 
     keep = {p.pid for p in engine_children()}
-    g = VllmHiddenStatesGenerator(str(model), layer_ids=[0], max_model_len=128)
-    assert [p for p in engine_children() if p.pid not in keep]
 
     def interrupted():
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(g.llm.llm_engine, "step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        g.generate([[5, 6, 7]])
-    deadline = time.monotonic() + 30
-    while [p for p in engine_children() if p.pid not in keep] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [p for p in engine_children() if p.pid not in keep]
+    with VllmHiddenStatesGenerator(str(model), layer_ids=[0], max_model_len=128) as g:
+        assert g.generate([[5, 6, 7]])[0]["hidden_states"][0].shape == (3, 256)
+        assert [p for p in engine_children() if p.pid not in keep]
+        monkeypatch.setattr(g.llm.llm_engine, "step", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            g.generate([[5, 6, 7]])
+        deadline = time.monotonic() + 30
+        while [p for p in engine_children() if p.pid not in keep] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in engine_children() if p.pid not in keep]  # before the with block ends
+    g.close()
+    g.__del__()
+    with pytest.raises(RuntimeError, match="closed"):
+        g.generate([[5]])
 
 
 def test_non_finite_states_are_reported(tmp_path, tiny_models):
@@ -202,9 +193,16 @@ def test_non_finite_states_are_reported(tmp_path, tiny_models):
     weights = load_file(bad / "model.safetensors")
     weights["model.layers.3.mlp.down_proj.weight"][:] = float("nan")
     save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    keep = {p.pid for p in engine_children()}
     with VllmHiddenStatesGenerator(str(bad), layer_ids=[2, 3], max_model_len=128) as g:
         with pytest.raises(CaptureError, match="prompt 0, layer 3: non-finite"):
             g.generate([[5, 6, 7], [8, 9]])
+        assert [p for p in engine_children() if p.pid not in keep]  # still running
+    # the context manager's exit shut the engine down
+    deadline = time.monotonic() + 30
+    while [p for p in engine_children() if p.pid not in keep] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in engine_children() if p.pid not in keep]
     del torch
 
 

@@ -17,7 +17,7 @@ def readme_rows():
     section = text.split("## Support matrix", 1)[1]
     rows = {}
     for m in re.finditer(r"^\| (0\.\d+) \| `(vllm\d+)` \| (\w+) \| ([^|]+) \|$", section, re.M):
-        rows[m.group(1)] = (m.group(2), {a.strip() for a in m.group(4).split(",")})
+        rows[m.group(1)] = (m.group(2), {a.strip() for a in m.group(4).split(",")}, m.group(3))
     return rows
 
 
@@ -29,14 +29,24 @@ def test_every_supported_minor_has_a_row_an_env_and_a_lock():
     tox = configparser.ConfigParser(interpolation=None)
     tox.read(ROOT / "tox.ini")
     envlist = [e.strip() for e in tox["tox"]["envlist"].split(",")]
-    for minor, (env, _) in rows.items():
+    for minor, (env, _, _) in rows.items():
         assert env == f"vllm{int(minor.split('.')[1]):03d}"
         assert env in envlist
         assert (ROOT / "compat" / f"{env}.txt").exists() and (ROOT / "compat" / f"{env}.in").exists()
 
 
+def test_suite_column_matches_tox():
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    setenv = tox["testenv"]["setenv"]
+    default = re.search(r"^E3C_SUITE = \{env:E3C_SUITE:(\w+)\}$", setenv, re.M).group(1)
+    for minor, (env, _, suite) in readme_rows().items():
+        override = re.search(rf"^[\w,]*\b{env}\b[\w,]*: E3C_SUITE = (\w+)$", setenv, re.M)
+        assert suite == (override.group(1) if override else default), (minor, env, suite)
+
+
 def test_adapter_column_matches_the_records():
-    for minor, (_, listed) in readme_rows().items():
+    for minor, (_, listed, _) in readme_rows().items():
         version = tuple(int(x) for x in minor.split("."))
         expected = {a.id for a in ADAPTERS if a.applies_to(version)}
         assert listed == expected, (minor, listed, expected)
