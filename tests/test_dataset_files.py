@@ -29,3 +29,26 @@ def test_partials_of_dead_writers_are_removed_live_ones_and_samples_kept(tmp_pat
     assert not stale.exists() and live.exists() and sample.exists() and other.exists()
     assert "removed 1 partial file(s)" in caplog.text
     assert remove_stale_partials(tmp_path) == []
+
+
+def test_mismatching_folder_is_refused_before_torch_and_vllm_load(tmp_path):
+    """Resuming into a folder made with other settings fails before the heavy
+    imports (seconds, not the ~15 s of torch + vLLM + speculators)."""
+    import json
+
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"model": "m", "capture": "layer_output", "max_model_len": 128, "dtype": None, "layer_ids": [0, 2]}))
+    code = (
+        "import sys, pathlib\n"
+        "from eagle3_compat.dataset import run_generate\n"
+        "try:\n"
+        "    run_generate(model='m', input_path=pathlib.Path('unused.jsonl'), output=pathlib.Path(sys.argv[1]),\n"
+        "                 layer_ids=[0, 3], max_model_len=128, batch_size=1, tensor_parallel_size=1, dtype=None)\n"
+        "except ValueError as e:\n"
+        "    print('REFUSED', e)\n"
+        "print('LOADED', sorted(m for m in ('torch', 'vllm', 'speculators') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "REFUSED" in proc.stdout and "resuming would mix them" in proc.stdout and "layer_ids" in proc.stdout
+    assert "LOADED []" in proc.stdout, proc.stdout
