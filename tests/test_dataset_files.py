@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from eagle3_compat.dataset import remove_stale_partials
 
@@ -52,3 +53,12 @@ def test_mismatching_folder_is_refused_before_torch_and_vllm_load(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "REFUSED" in proc.stdout and "resuming would mix them" in proc.stdout and "layer_ids" in proc.stdout
     assert "LOADED []" in proc.stdout, proc.stdout
+
+
+def test_partial_file_names_round_trip():
+    from eagle3_compat.dataset import _partial_path, _partial_writer, sample_path
+
+    tmp = _partial_path(sample_path(Path("/out"), 7), 4321)
+    assert _partial_writer(tmp) == 4321
+    assert _partial_writer(sample_path(Path("/out"), 7)) is None
+    assert _partial_writer(Path("/out/.notes.1.tmp")) is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -102,10 +103,22 @@ def _validate(result: dict[str, Any], sample: Sample, layer_ids: Sequence[int]) 
             raise RuntimeError(f"sample {sample.index}, layer {k}: non-finite values")
 
 
+# A sample is written to ".<name>.<writer pid>.tmp" and renamed into place
+# whole; these two functions are the only places that know the pattern.
+def _partial_path(path: Path, pid: int) -> Path:
+    return path.with_name(f".{path.name}.{pid}.tmp")
+
+
+def _partial_writer(tmp: Path) -> int | None:
+    """The writing process of a partial sample file; None for any other file."""
+    m = re.fullmatch(r"\.sample_\d+\.pt\.(\d+)\.tmp", tmp.name)
+    return int(m.group(1)) if m else None
+
+
 def _write_atomic(path: Path, obj: Any) -> None:
     import torch  # noqa: PLC0415
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _partial_path(path, os.getpid())
     torch.save(obj, tmp)
     os.replace(tmp, path)
 
@@ -125,9 +138,9 @@ def remove_stale_partials(output: Path) -> list[Path]:
     run left behind, i.e. those whose writing process is gone; returns them.
     A file is only ever renamed into place whole, so these are never samples."""
     removed = []
-    for tmp in output.glob(".sample_*.pt.*.tmp"):
-        pid = tmp.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+    for tmp in output.glob(".sample_*.tmp"):
+        pid = _partial_writer(tmp)
+        if pid is not None and not _pid_alive(pid):
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
     if removed:
