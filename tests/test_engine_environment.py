@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.engine]
 SCRIPT = textwrap.dedent(
     """
     import json, os, sys
-    {pre}
+    import speculators.data_generation  # before apply()
     import eagle3_compat
     eagle3_compat.apply(dtype="float32")
     open(os.path.join(os.environ["E3C_MARKERS"], str(os.getpid())), "w").write("applied")
@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent(
         with VllmHiddenStatesGenerator(model, layer_ids=layers, max_model_len=512) as g:
             results = g.generate(prompts)
         worst = compare(results, hf_layer_outputs(model, prompts, layers), prompts, layers, 1e-4)
-        print("RESULT" + json.dumps({{"worst": worst}}))
+        print("RESULT" + json.dumps({"worst": worst}))
 
     if __name__ == "__main__":
         main()
@@ -56,10 +56,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-
 def _run_script(tmp_path, model):
     script = tmp_path / "user_script.py"
-    script.write_text(SCRIPT.format(pre="import speculators.data_generation"))
+    script.write_text(SCRIPT)
     markers = tmp_path / "markers"
     markers.mkdir()
     env = {**os.environ, "VLLM_PLUGINS": "some_other_plugin", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
