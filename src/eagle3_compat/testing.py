@@ -18,6 +18,7 @@ References:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -270,8 +271,6 @@ class VllmReference:
     """
 
     def __init__(self, model_path: str | Path, max_len: int, dtype: str = "float32") -> None:
-        import os  # noqa: PLC0415
-
         from vllm import LLM  # noqa: PLC0415
 
         # apply_model ships functions to the engine process with pickle; allow
@@ -343,8 +342,6 @@ class VllmReference:
         return max(abs(a - b) for s, b_ in zip(single, batched) for a, b in zip(s, b_))
 
     def close(self) -> None:
-        import os  # noqa: PLC0415
-
         llm, self.llm = self.llm, None
         try:
             if llm is not None:
