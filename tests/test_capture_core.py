@@ -1,4 +1,15 @@
-"""Property tests of the capture core (pure logic, no engine)."""
+"""Property tests of the capture core and the arena (pure logic, no engine).
+
+A toy scheduler (chunked prefill under a token budget, shuffled batch
+order, padding rows, decode rows past the prompt, rows of another call's
+requests) produces steps; the worker-side slicer attributes them and writes
+them into an arena exactly as the worker does, and the driver-side check
+and views give the results, which must equal the expected rows bit for
+bit.  ``FAULTS`` then breaks one thing at a time in what the engine hands
+over (a shifted position, a wrong token id, a repeated or unknown request,
+a lost or replayed step, short tensors) and each must be refused with its
+own error.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +20,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from eagle3_compat import arena as arena_mod
 from eagle3_compat import capture
 from eagle3_compat.capture import (
     CaptureError,
     StepLayout,
     StepSlicer,
-    assemble,
+    check_segments,
     make_request_id,
     parse_request_id,
 )
 
 torch = pytest.importorskip("torch")
-from eagle3_compat.wire import pack, unpack  # noqa: E402
 
 HIDDEN = 3
 
@@ -40,13 +51,15 @@ def scenarios(draw):
     return lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call
 
 
-def simulate(lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call, core=None):
-    """A toy scheduler: chunked prefill under a token budget, shuffled batch order,
-    padding rows, optional decode rows and rows of another call's requests."""
-    core = core or capture
+def token(i: int, p: int) -> int:
+    return 1000 * i + p
+
+
+def schedule(lengths, budget, max_seqs, pad, decode_rows, foreign, seed, call):
+    """Steps as the engine hands them over: (req_ids, counts, positions, token_ids, values)."""
     rng = random.Random(seed)
     done = [0] * len(lengths)
-    slicer = core.StepSlicer(call=call)
+    steps = []
     while any(d < n for d, n in zip(done, lengths)):
         running = [i for i, (d, n) in enumerate(zip(done, lengths)) if d < n][:max_seqs]
         left = budget
@@ -64,50 +77,204 @@ def simulate(lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, se
         if foreign:
             sched.append((make_request_id(call + 1, 0) + "-deadbeef", -1, 0, 2))
         rng.shuffle(sched)
-        rows_pos, rows_tok, rows_val = [], [], []
-        for rid, i, start, k in sched:
+        pos, tok, val = [], [], []
+        for _rid, i, start, k in sched:
             for p in range(start, start + k):
-                rows_pos.append(p)
-                rows_tok.append(1000 * i + p if i >= 0 else -1)
-                rows_val.append(i)
-        total = len(rows_pos)
-        rows_pos += [0] * pad
-        rows_tok += [0] * pad
-        rows_val += [-7] * pad
-        vals = torch.tensor(rows_val, dtype=torch.float32)
-        poss = torch.tensor(rows_pos, dtype=torch.float32)
-        layers = [torch.stack([vals, poss, torch.full_like(vals, L)], 1) for L in layer_ids]
-        layout = core.StepLayout(tuple(s[0] for s in sched), tuple(s[3] for s in sched))
-        assert layout.total == total
-        slicer.slice_step(layout, layers, rows_pos, rows_tok)
-        for rid, i, start, k in sched:
+                pos.append(p)
+                tok.append(token(i, p) if i >= 0 else -1)
+                val.append(i)
+        pos += [0] * pad
+        tok += [0] * pad
+        val += [-7] * pad
+        steps.append(([s[0] for s in sched], [s[3] for s in sched], pos, tok, val))
+        for _rid, i, start, k in sched:
             if i >= 0:
                 done[i] = min(lengths[i], start + k)
-    prompts = [[1000 * i + p for p in range(n)] for i, n in enumerate(lengths)]
-    return prompts, slicer
+    return steps
 
 
-def check_reassembly(sc, core=None):
+def rows_for(val, pos, layer_ids):
+    vals = torch.tensor(val, dtype=torch.float32)
+    pos = (list(pos) + [0] * len(val))[: len(val)]  # a fault may shorten one of them
+    poss = torch.tensor(pos, dtype=torch.float32)
+    return [torch.stack([vals, poss, torch.full_like(vals, L)], 1) for L in layer_ids]
+
+
+def run_steps(steps, lengths, layer_ids, call, core=None, arena=None):
+    """The worker's side: slice every step and write its runs to an arena; the
+    driver's side: check the metadata as it arrives over the wire, then view."""
     core = core or capture
-    lengths, layer_ids, *_ = sc
-    prompts, slicer = simulate(*sc, core=core)
-    chunks = unpack(pack(slicer.chunks, len(layer_ids)))  # as the RPC carries them
-    out = core.assemble(prompts, chunks, layer_ids, cat=lambda x: torch.cat(x, 0),
-                        check_finite=lambda t: bool(torch.isfinite(t).all()))
-    assert len(out) == len(prompts)
+    arena = arena or arena_mod
+    layout = arena.layout_for(lengths, len(layer_ids), HIDDEN, "float32")
+    sink = arena.LocalSink(layout, torch.float32, HIDDEN)
+    slicer = core.StepSlicer(call=call, lengths=lengths)
+    for req_ids, counts, pos, tok, val in steps:
+        layers = rows_for(val, pos, layer_ids)
+        segs = slicer.slice_step(core.StepLayout(tuple(req_ids), tuple(counts)), pos, tok,
+                                 [h.shape[0] for h in layers])
+        for seg in segs:
+            for j, h in enumerate(layers):
+                sink.write(seg.index, j, seg.start, seg.count, h[seg.src: seg.src + seg.count])
+    prompts = [[token(i, p) for p in range(n)] for i, n in enumerate(lengths)]
+    core.check_segments(prompts, [s.to_wire() for s in slicer.segments], layer_ids)
+    return arena.tensors_from_payload(sink.payload(), layout, "float32", HIDDEN)
+
+
+def expected(i, n, layer_id):
+    pos = torch.arange(n, dtype=torch.float32)
+    return torch.stack([torch.full_like(pos, i), pos, torch.full_like(pos, layer_id)], 1)
+
+
+def check_reassembly(sc, core=None, arena=None):
+    lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call = sc
+    steps = schedule(lengths, budget, max_seqs, pad, decode_rows, foreign, seed, call)
+    out = run_steps(steps, lengths, layer_ids, call, core=core, arena=arena)
+    assert len(out) == len(lengths)
     for i, per_layer in enumerate(out):
         assert len(per_layer) == len(layer_ids)
         for j, t in enumerate(per_layer):
-            assert t.dtype == torch.float32
-            pos = torch.arange(lengths[i], dtype=torch.float32)
-            expect = torch.stack([torch.full_like(pos, i), pos, torch.full_like(pos, layer_ids[j])], 1)
-            assert torch.equal(t, expect), (i, layer_ids[j])
+            assert torch.equal(t, expected(i, lengths[i], layer_ids[j])), (i, layer_ids[j])
 
 
 @settings(max_examples=150, deadline=None)
 @given(scenarios())
 def test_reassembly_is_exact(sc):
     check_reassembly(sc)
+
+
+# -- one fault at a time ---------------------------------------------------------
+# Each fault edits the steps of a valid schedule (of at least two prompts, so
+# that a row can go to the wrong one) and names the error it must cause.
+
+
+def _ours(step, call):
+    """Indices of the step's runs that belong to the call's prompts."""
+    return [k for k, r in enumerate(step[0]) if (parse_request_id(r) or (-1,))[0] == call]
+
+
+def _run_bounds(step, k):
+    start = sum(step[1][:k])
+    return start, start + step[1][k]
+
+
+def fault_shift_positions(steps, call, rng):
+    step = rng.choice([s for s in steps if _ours(s, call)])
+    lo, hi = _run_bounds(step, rng.choice(_ours(step, call)))
+    for r in range(lo, hi):
+        step[2][r] += 1
+
+
+def fault_swap_positions(steps, call, rng):
+    cands = [(s, k) for s in steps for k in _ours(s, call) if s[1][k] >= 2]
+    step, k = rng.choice(cands)
+    lo, _ = _run_bounds(step, k)
+    step[2][lo], step[2][lo + 1] = step[2][lo + 1], step[2][lo]
+
+
+def fault_wrong_token(steps, call, rng):
+    step = rng.choice([s for s in steps if _ours(s, call)])
+    lo, _ = _run_bounds(step, rng.choice(_ours(step, call)))
+    step[3][lo] += 1
+
+
+def fault_rows_to_other_prompt(steps, call, rng):
+    step = rng.choice([s for s in steps if _ours(s, call)])
+    k = rng.choice(_ours(step, call))
+    _, index = parse_request_id(step[0][k])
+    other = make_request_id(call, 1 - index if index < 2 else 0)
+    if other in step[0]:
+        j = step[0].index(other)
+        step[0][k], step[0][j] = step[0][j], step[0][k]  # two runs' ids swapped
+    else:
+        step[0][k] = other
+
+
+def fault_unknown_prompt(steps, call, rng):
+    step = rng.choice([s for s in steps if _ours(s, call)])
+    step[0][rng.choice(_ours(step, call))] = make_request_id(call, 99)
+
+
+def fault_duplicate_request(steps, call, rng):
+    step = rng.choice([s for s in steps if len(_ours(s, call)) >= 2])
+    a, b = _ours(step, call)[:2]
+    step[0][b] = step[0][a]
+
+
+def fault_lost_step(steps, call, rng):
+    steps.remove(rng.choice([s for s in steps if _ours(s, call)]))
+
+
+def fault_replayed_step(steps, call, rng):
+    step = rng.choice([s for s in steps if _ours(s, call)])
+    steps.insert(steps.index(step) + 1, tuple(list(x) for x in step))
+
+
+def fault_short_positions(steps, call, rng):
+    step = rng.choice([s for s in steps if _ours(s, call)])
+    total = sum(step[1])
+    del step[2][total - 1:]
+
+
+def fault_short_tokens(steps, call, rng):
+    step = rng.choice([s for s in steps if _ours(s, call)])
+    total = sum(step[1])
+    del step[3][total - 1:]
+
+
+def fault_short_layer(steps, call, rng):
+    step = rng.choice([s for s in steps if _ours(s, call)])
+    total = sum(step[1])
+    del step[4][total - 1:]
+
+
+FAULTS = {
+    fault_shift_positions: r"where position \d+ was expected|not consecutive|captured \d+ of \d+ rows",
+    fault_swap_positions: r"not consecutive",
+    fault_wrong_token: r"token ids of captured rows .* differ from the prompt",
+    fault_rows_to_other_prompt: r"differ from the prompt|where position \d+ was expected|"
+                                r"captured \d+ of \d+ rows|do not fit a prompt",
+    fault_unknown_prompt: r"names prompt 99",
+    fault_duplicate_request: r"repeats a request id",
+    fault_lost_step: r"where position \d+ was expected \(a missing|captured \d+ of \d+ rows",
+    fault_replayed_step: r"where position \d+ was expected \(a repeated",
+    fault_short_positions: r"positions for \d+ scheduled tokens",
+    fault_short_tokens: r"token ids for \d+ scheduled tokens",
+    fault_short_layer: r"captured \d+ rows but \d+ tokens were scheduled",
+}
+
+
+@st.composite
+def faulty(draw):
+    sc = draw(scenarios().filter(lambda s: len(s[0]) >= 2))
+    return sc, draw(st.sampled_from(sorted(FAULTS, key=lambda f: f.__name__))), draw(st.integers(0, 2**16))
+
+
+def check_fault(case, core=None, arena=None):
+    (lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call), fault, fseed = case
+    steps = schedule(lengths, budget, max_seqs, pad, decode_rows, foreign, seed, call)
+    steps = [tuple(list(x) for x in s) for s in steps]
+    try:
+        fault(steps, call, random.Random(fseed))
+    except (IndexError, ValueError):  # no step offers what the fault needs (rare)
+        return False
+    with pytest.raises(CaptureError, match=FAULTS[fault]):
+        run_steps(steps, lengths, layer_ids, call, core=core, arena=arena)
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(faulty())
+def test_every_single_fault_is_refused_by_name(case):
+    check_fault(case)
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS, key=lambda f: f.__name__), ids=lambda f: f.__name__)
+def test_each_fault_is_refused(fault):
+    """Every fault on one fixed schedule (two prompts, chunked, reordered)."""
+    assert check_fault((([37, 20], [1, 4], 16, 2, 3, True, True, 7, 2), fault, 1))
+
+
+# -- pieces ------------------------------------------------------------------------
 
 
 @settings(max_examples=50, deadline=None)
@@ -122,79 +289,56 @@ def test_foreign_ids_are_not_ours():
     assert parse_request_id("e3c:1:23") != (1, 2)
 
 
-def _one_prompt_slicer(rows, positions, token_ids, call=0):
-    s = StepSlicer(call=call)
-    layers = [torch.arange(len(positions), dtype=torch.float32)[:, None]]
-    s.slice_step(StepLayout((make_request_id(call, 0),), (rows,)), layers, positions, token_ids)
-    return s
-
-
-def test_missing_row_is_an_error():
-    s = _one_prompt_slicer(3, [0, 1, 3], [10, 11, 13])
-    with pytest.raises(CaptureError, match="prompt 0"):
-        assemble([[10, 11, 12, 13]], s.chunks, [0], cat=lambda x: torch.cat(x, 0))
-
-
-def test_wrong_tokens_are_an_error():
-    s = _one_prompt_slicer(3, [0, 1, 2], [10, 99, 12])
-    with pytest.raises(CaptureError, match="token ids"):
-        assemble([[10, 11, 12]], s.chunks, [0], cat=lambda x: torch.cat(x, 0))
-
-
-def test_incomplete_prompt_is_an_error():
-    s = _one_prompt_slicer(2, [0, 1], [10, 11])
-    with pytest.raises(CaptureError, match="2 of 3"):
-        assemble([[10, 11, 12]], s.chunks, [0], cat=lambda x: torch.cat(x, 0))
-
-
 def test_stale_call_rows_never_reach_results():
-    s = _one_prompt_slicer(3, [0, 1, 2], [10, 11, 12], call=0)
-    s2 = StepSlicer(call=1)
-    s2.slice_step(StepLayout((make_request_id(0, 0),), (3,)), [torch.zeros(3, 1)], [0, 1, 2], [10, 11, 12])
-    assert s2.chunks == {} and s2.foreign_rows == 3
-    assert s.chunks
+    s = StepSlicer(call=1, lengths=[3])
+    segs = s.slice_step(StepLayout((make_request_id(0, 0) + "-ab",), (3,)), [0, 1, 2], [10, 11, 12], [3])
+    assert segs == [] and s.segments == [] and s.foreign_rows == 3
 
 
-def test_non_finite_is_reported_with_prompt_and_layer():
-    s = StepSlicer(call=0)
-    layers = [torch.tensor([[0.0], [float("nan")]])]
-    s.slice_step(StepLayout((make_request_id(0, 0),), (2,)), layers, [0, 1], [5, 6])
-    with pytest.raises(CaptureError, match="prompt 0, layer 7: non-finite"):
-        assemble([[5, 6]], s.chunks, [7], cat=lambda x: torch.cat(x, 0),
-                 check_finite=lambda t: bool(torch.isfinite(t).all()))
+def test_rows_past_the_prompt_are_not_attributed():
+    s = StepSlicer(call=0, lengths=[3])
+    (seg,) = s.slice_step(StepLayout((make_request_id(0, 0),), (4,)), [0, 1, 2, 3], [5, 6, 7, 8], [4])
+    assert (seg.index, seg.src, seg.start, seg.count, seg.token_ids) == (0, 0, 0, 3, (5, 6, 7))
 
 
-def test_layout_must_cover_rows():
-    s = StepSlicer(call=0)
-    with pytest.raises(CaptureError):
-        s.slice_step(StepLayout((make_request_id(0, 0),), (5,)), [torch.zeros(3, 1)], [0, 1, 2], None)
+def test_segments_without_token_ids_still_checked_for_positions():
+    check_segments([[5, 6, 7]], [[0, 0, 3, None]], [1])
+    with pytest.raises(CaptureError, match="captured 2 of 3"):
+        check_segments([[5, 6, 7]], [[0, 0, 2, None]], [1])
 
 
-@settings(max_examples=60, deadline=None)
-@given(scenarios(), st.booleans(), st.integers(0, 3))
-def test_both_reply_conventions_give_the_same_result(sc, bare, other_ranks):
-    """A list of per-rank replies and a bare rank-0 reply reassemble identically."""
-    lengths, layer_ids, *_ = sc
-    prompts, slicer = simulate(*sc)
-    wire = pack(slicer.chunks, len(layer_ids))
-    reply = wire if bare else [wire] + [None] * other_ranks
-    out = capture.assemble(prompts, unpack(capture.rank0_reply(reply)), layer_ids,
-                           cat=lambda x: torch.cat(x, 0))
-    assert [len(p) for p in out] == [len(layer_ids)] * len(prompts)
-    assert [t.shape[0] for per in out for t in per] == [n for n in lengths for _ in layer_ids]
+def test_check_names_prompt_and_layers():
+    with pytest.raises(CaptureError, match=r"prompt 1, layers \[2, 9\]: token ids"):
+        check_segments([[1], [2, 3]], [[0, 0, 1, [1]], [1, 0, 2, [2, 4]]], [2, 9])
+    with pytest.raises(CaptureError, match="prompt index 5"):
+        check_segments([[1]], [[5, 0, 1, [1]]], [0])
+    with pytest.raises(CaptureError, match="a captured run of 0 rows"):
+        check_segments([[1]], [[0, 0, 1, [1]], [0, 1, 0, []]], [0])
 
 
-def test_reply_that_is_not_a_capture_is_refused():
+def test_layout_must_be_consistent():
+    with pytest.raises(CaptureError, match="2 token counts"):
+        StepLayout(("a",), (1, 2))
+    with pytest.raises(CaptureError, match="negative"):
+        StepLayout(("a",), (-1,))
+
+
+def test_both_reply_conventions_and_refusals():
+    cap = {"segments": []}
+    assert capture.rank0_reply(cap) is cap
+    assert capture.rank0_reply([cap, None, None]) is cap
     with pytest.raises(CaptureError, match="expected its capture"):
         capture.rank0_reply([torch.zeros(3)])  # the 0.3.0 "[0] of a bare reply" mistake
     with pytest.raises(CaptureError, match="more than one"):
-        capture.rank0_reply([{"meta": []}, {"meta": []}])
+        capture.rank0_reply([{"segments": []}, {"segments": []}])
+    with pytest.raises(CaptureError, match="unexpected"):
+        capture.rank0_reply([])
 
 
 class SlicerMachine(RuleBasedStateMachine):
     """Sequences of calls on one worker: arm, steps (with stale requests of
-    earlier calls mixed in), fetch.  Every step's rows are consumed exactly
-    once, by the call that was armed, and nothing survives a fetch."""
+    earlier calls mixed in), fetch.  Every step's rows are attributed exactly
+    once, to the call that was armed, at the positions the step gave."""
 
     def __init__(self):
         super().__init__()
@@ -205,7 +349,7 @@ class SlicerMachine(RuleBasedStateMachine):
     @rule()
     def arm(self):
         self.call += 1
-        self.slicer = StepSlicer(call=self.call)
+        self.slicer = StepSlicer(call=self.call, lengths=[10**6] * 4)
         self.expected = {}
 
     @precondition(lambda self: self.slicer is not None)
@@ -217,33 +361,35 @@ class SlicerMachine(RuleBasedStateMachine):
         if stale and self.call > 0:
             req_ids.append(make_request_id(self.call - 1, 0) + "-abcd1234")
             nums.append(stale)
-        total = sum(nums)
-        positions, tokens = [], []
+        positions, tokens, starts = [], [], []
         for i, n in enumerate(nums):
             start = self.expected.get(i, 0) if i < len(counts) else 0
+            starts.append(sum(nums[:i]))
             positions += list(range(start, start + n))
-            tokens += [0] * n
-        rows = torch.arange(total + pad, dtype=torch.float32)[:, None]
+            tokens += [i] * n
         before = self.slicer.steps
-        self.slicer.slice_step(StepLayout(tuple(req_ids), tuple(nums)), [rows],
-                               positions + [0] * pad, tokens + [0] * pad)
+        segs = self.slicer.slice_step(StepLayout(tuple(req_ids), tuple(nums)),
+                                      positions + [0] * pad, tokens + [0] * pad, [sum(nums) + pad])
         assert self.slicer.steps == before + 1
+        want = [(i, starts[i], self.expected.get(i, 0), n) for i, n in enumerate(counts) if n]
+        assert [(s.index, s.src, s.start, s.count) for s in segs] == want
+        assert all(s.token_ids == (s.index,) * s.count for s in segs)
         for i, n in enumerate(counts):
             self.expected[i] = self.expected.get(i, 0) + n
 
     @precondition(lambda self: self.slicer is not None)
     @rule()
     def fetch(self):
-        got = {i: sum(len(c.positions) for c in cs) for i, cs in self.slicer.chunks.items()}
+        got: dict[int, int] = {}
+        for s in self.slicer.segments:
+            got[s.index] = got.get(s.index, 0) + s.count
         assert got == {i: n for i, n in self.expected.items() if n}
-        for cs in self.slicer.chunks.values():
-            assert [c.positions for c in cs] == sorted((c.positions for c in cs), key=lambda p: p[0])
         self.slicer = None  # handed over: a later step cannot add to it
 
     @invariant()
     def no_foreign_rows_kept(self):
         if self.slicer is not None:
-            assert set(self.slicer.chunks) <= set(self.expected)
+            assert {s.index for s in self.slicer.segments} <= set(self.expected)
 
 
 TestSlicerMachine = SlicerMachine.TestCase

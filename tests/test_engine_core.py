@@ -84,19 +84,59 @@ def test_truncation_keeps_0_3_0_behaviour_and_warns(gen, llama, capfd):
     _check(results, llama, [short, long[: MAX_MODEL_LEN - 1]], LAYERS, F32_TOL)
 
 
+def _shm_names():
+    import os
+
+    from eagle3_compat.arena import PREFIX, SHM_DIR
+
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
+
+
 def test_worker_memory_returns_to_level(gen):
+    import psutil
+
     prompts = mixed_prompts(40, 900, seed=4)
     per_call = sum(map(len, prompts)) * len(LAYERS) * 256 * 4  # bytes of rows per call
     for _ in range(2):
         gen.generate(prompts)
     before = gen.llm.collective_rpc("e3c_memory")[0]
+    driver_before = psutil.Process().memory_info().rss
     for _ in range(4):
-        gen.generate(prompts)
+        gen.generate(prompts)  # results dropped at once: their arena goes with them
     after = gen.llm.collective_rpc("e3c_memory")[0]
-    assert after["held_bytes"] == 0 == before["held_bytes"]
-    # Four more calls moved ~4 * per_call bytes through the worker; a leak of
-    # even a quarter of one call's rows would show.
+    driver_after = psutil.Process().memory_info().rss
+    assert before["call_open"] is False and after["call_open"] is False
+    # Four more calls moved ~4 * per_call bytes through the worker and the
+    # driver; a leak of even a quarter of one call's rows would show.
     assert after["rss"] - before["rss"] < per_call / 4, (per_call, before, after)
+    assert driver_after - driver_before < per_call / 4, (per_call, driver_before, driver_after)
+    assert _shm_names() == []
+
+
+def test_results_are_the_arena_and_rpc_path_is_identical(gen, monkeypatch):
+    """Results map the call's shared memory (no name left in /dev/shm); the
+    forced RPC path (a rank-0 worker on another host) gives the same bytes."""
+    import io
+
+    import torch
+
+    prompts = mixed_prompts(9, 700, seed=5)
+    shm = gen.generate(prompts)
+    assert _shm_names() == []
+    monkeypatch.setenv("EAGLE3_COMPAT_TRANSPORT", "rpc")
+    rpc = gen.generate(prompts)
+    for a, b in zip(shm, rpc):
+        for x, y in zip(a["hidden_states"], b["hidden_states"]):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+    # Each tensor's storage is its own rows: torch.save writes one sample only.
+    h = shm[3]["hidden_states"][1]
+    assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
+    buf = io.BytesIO()
+    torch.save(shm[3], buf)
+    assert buf.tell() < 1.2 * sum(t.numel() * t.element_size() for t in shm[3]["hidden_states"]) + 4096
+    monkeypatch.setenv("EAGLE3_COMPAT_TRANSPORT", "bogus")
+    with pytest.raises(ValueError, match="EAGLE3_COMPAT_TRANSPORT"):
+        gen.generate(prompts[:1])
 
 
 def test_reference_checks_have_teeth(gen, llama):

@@ -1,11 +1,11 @@
-"""The capture core: turn per-step captures into per-prompt hidden states.
+"""The capture core: attribute each engine step's rows to prompt positions.
 
-This module is pure logic.  It needs only objects that behave like CPU
-tensors (slicing, ``torch.cat``-like concatenation through the ``cat``
-argument, ``tolist``); no vLLM and no device code.  The worker extension
-calls :meth:`StepSlicer.slice_step` after every engine step and the driver
-calls :func:`assemble` once per ``generate()`` call, so the code that the
-property tests exercise is the code that runs.
+This module is pure logic (no torch, no vLLM, no device code).  The worker
+extension calls :meth:`StepSlicer.slice_step` after every engine step to
+learn where each captured row belongs (which prompt, which position), and
+the driver calls :func:`check_segments` once per ``generate()`` call before
+it hands out any result, so the code that the property tests exercise is
+the code that runs.
 
 Why rows are attributed this way
 --------------------------------
@@ -15,33 +15,32 @@ every prompt is scheduled whole, in input order, with no padding and no
 extra tokens.  Chunked prefill, batch reordering, padded steps and decode
 steps all break it, silently.  Here each step's rows are attributed from
 what the model runner actually laid out (request ids in batch order and
-the number of tokens scheduled for each), every chunk carries the
-positions and token ids the model saw, and assembly checks that the
-positions of each prompt are exactly ``0..len-1`` and that the token ids
-are the prompt's.  Any mismatch is a :class:`CaptureError` naming the
-prompt and the layer, never a silently shifted row.
+the number of tokens scheduled for each), and every run of rows carries
+the positions and token ids the model saw.  The worker writes a run's rows
+straight to their place in the call's arena (prompt ``i``, position ``p``);
+the driver then checks that the runs of each prompt tile its positions
+``0..len-1`` exactly once and that their token ids are the prompt's.  Any
+mismatch is a :class:`CaptureError` naming the prompt and the layers, never
+a silently shifted row.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
     "CaptureError",
-    "Chunk",
+    "Segment",
     "StepLayout",
     "StepSlicer",
-    "assemble",
-
+    "check_segments",
     "make_request_id",
     "parse_request_id",
     "rank0_reply",
 ]
-
-Tensor = Any  # a CPU torch.Tensor at run time; kept abstract so the core stays pure
 
 
 class CaptureError(RuntimeError):
@@ -96,55 +95,75 @@ class StepLayout:
         return sum(self.num_tokens)
 
 
-@dataclass
-class Chunk:
-    """The rows of one request in one step."""
+@dataclass(frozen=True)
+class Segment:
+    """A run of one prompt's rows in one step.
 
-    positions: list[int]
-    token_ids: list[int] | None
-    layers: list[Tensor]  # one [n, hidden] tensor per captured layer, in layer-id order
+    Rows ``src .. src+count-1`` of the step's captured tensors are the
+    states at positions ``start .. start+count-1`` of prompt ``index``;
+    ``token_ids`` are the tokens the model saw there (``None`` when the
+    model was fed embeddings and the ids could not be read).
+    """
+
+    index: int
+    src: int
+    start: int
+    count: int
+    token_ids: tuple[int, ...] | None
+
+    def to_wire(self) -> list[Any]:
+        """What the driver needs (the row in the step is the worker's business)."""
+        return [self.index, self.start, self.count, None if self.token_ids is None else list(self.token_ids)]
 
 
 @dataclass
 class StepSlicer:
-    """Worker-side: keeps the chunks of one ``generate()`` call.
+    """Worker-side: attributes the rows of one ``generate()`` call's steps.
 
-    ``call`` is the call id the driver armed the capture with; requests of
-    other calls (or not made by us) are dropped here and counted, so stale
-    rows can never reach a result.
+    ``call`` is the call id the driver armed the capture with and
+    ``lengths`` its prompts' token counts; requests of other calls (or not
+    made by us) are skipped and counted, so stale rows can never reach a
+    result.  ``segments`` accumulates every run attributed so far.
     """
 
     call: int
-    chunks: dict[int, list[Chunk]] = field(default_factory=dict)
+    lengths: Sequence[int]
+    segments: list[Segment] = field(default_factory=list)
     foreign_rows: int = 0
     steps: int = 0
 
     def slice_step(
         self,
         layout: StepLayout,
-        layers: Sequence[Tensor],
         positions: Sequence[int],
         token_ids: Sequence[int] | None,
-    ) -> None:
-        """Attribute one step's captured rows to their requests.
+        captured_rows: Sequence[int],
+    ) -> list[Segment]:
+        """The runs of this step's rows that belong to the call's prompts.
 
-        ``layers`` are the step's captured tensors (one per layer id, each
-        with at least ``layout.total`` rows); ``positions`` and
-        ``token_ids`` are the model inputs of the step (at least
-        ``layout.total`` entries; ``token_ids`` may be ``None`` when the model
-        was fed embeddings).
+        ``positions`` and ``token_ids`` are the model inputs of the step (at
+        least ``layout.total`` entries; ``token_ids`` may be ``None`` when the
+        model was fed embeddings); ``captured_rows`` is the row count of each
+        captured layer tensor (each must cover ``layout.total``).  Rows at
+        positions past the prompt's end (a decode or extra scheduled token)
+        are not attributed.
         """
         total = layout.total
-        for li, h in enumerate(layers):
-            if h.shape[0] < total:
+        for slot, rows in enumerate(captured_rows):
+            if rows < total:
                 raise CaptureError(
-                    f"step {self.steps}: layer slot {li} captured {h.shape[0]} rows but "
+                    f"step {self.steps}: layer slot {slot} captured {rows} rows but "
                     f"{total} tokens were scheduled"
                 )
         if len(positions) < total:
             raise CaptureError(
                 f"step {self.steps}: {len(positions)} positions for {total} scheduled tokens"
             )
+        if token_ids is not None and len(token_ids) < total:
+            raise CaptureError(
+                f"step {self.steps}: {len(token_ids)} token ids for {total} scheduled tokens"
+            )
+        out: list[Segment] = []
         start = 0
         for req_id, n in zip(layout.req_ids, layout.num_tokens):
             end = start + n
@@ -152,15 +171,41 @@ class StepSlicer:
             if parsed is None or parsed[0] != self.call:
                 self.foreign_rows += n
             elif n:
-                self.chunks.setdefault(parsed[1], []).append(
-                    Chunk(
-                        positions=list(positions[start:end]),
-                        token_ids=None if token_ids is None else list(token_ids[start:end]),
-                        layers=[h[start:end] for h in layers],
+                index = parsed[1]
+                if index >= len(self.lengths):
+                    raise CaptureError(
+                        f"step {self.steps}: request {req_id!r} names prompt {index}, but call "
+                        f"{self.call} sent {len(self.lengths)} prompts"
                     )
-                )
+                pos = [int(p) for p in positions[start:end]]
+                plen = self.lengths[index]
+                # Keep the prefix of the run that lies inside the prompt.
+                hi = len(pos)
+                while hi and pos[hi - 1] >= plen:
+                    hi -= 1
+                if hi:
+                    first = pos[0]
+                    if first < 0 or pos[:hi] != list(range(first, first + hi)):
+                        shown = pos[:8] + (["..."] if hi > 8 else [])
+                        raise CaptureError(
+                            f"step {self.steps}: prompt {index}: positions {shown} of one request "
+                            "are not consecutive (rows out of order within a step)"
+                        )
+                    out.append(
+                        Segment(
+                            index=index,
+                            src=start,
+                            start=first,
+                            count=hi,
+                            token_ids=None
+                            if token_ids is None
+                            else tuple(int(t) for t in token_ids[start : start + hi]),
+                        )
+                    )
             start = end
         self.steps += 1
+        self.segments.extend(out)
+        return out
 
 
 def rank0_reply(reply: Any) -> Any:
@@ -188,67 +233,49 @@ def rank0_reply(reply: Any) -> Any:
     return first
 
 
-def assemble(
+def check_segments(
     prompts: Sequence[Sequence[int]],
-    chunks: Mapping[int, Sequence[Chunk]],
+    segments: Sequence[Sequence[Any]],
     layer_ids: Sequence[int],
-    cat: Callable[[list[Tensor]], Tensor],
-    check_finite: Callable[[Tensor], bool] | None = None,
-) -> list[list[Tensor]]:
-    """Per-prompt, per-layer tensors from the chunks of one call.
+) -> None:
+    """Check that the runs of a call tile every prompt exactly once.
 
-    Returns ``out[i][j]``: the ``[len(prompts[i]), hidden]`` states of layer
-    ``layer_ids[j]`` for prompt ``i``, rows in prompt order.  Rows at
-    positions past the prompt (a decode or extra scheduled token) are
-    dropped; everything else must add up exactly or :class:`CaptureError`
-    is raised naming the prompt (and layer).
+    ``segments`` are :meth:`Segment.to_wire` lists ``[index, start, count,
+    token_ids]`` as they arrive from the worker, in any order.  For every
+    prompt the runs, sorted by start, must cover positions ``0..len-1``
+    with no gap and no overlap, and carry the prompt's token ids; otherwise
+    :class:`CaptureError` names the prompt and the layers whose rows would
+    be wrong.
     """
-    unknown = sorted(set(chunks) - set(range(len(prompts))))
-    if unknown:
-        raise CaptureError(f"captured rows for prompt indices {unknown} that this call did not send")
-    out: list[list[Tensor]] = []
+    layers = list(layer_ids)
+    by_prompt: dict[int, list[tuple[int, int, Any]]] = {}
+    for index, start, count, tokens in segments:
+        if not 0 <= index < len(prompts):
+            raise CaptureError(
+                f"captured rows for prompt index {index}, which this call did not send "
+                f"({len(prompts)} prompts)"
+            )
+        if count <= 0:
+            raise CaptureError(f"prompt {index}: a captured run of {count} rows")
+        by_prompt.setdefault(index, []).append((start, count, tokens))
     for i, prompt in enumerate(prompts):
         n = len(prompt)
-        rows: list[tuple[int, Chunk, int, int]] = []  # (first position, chunk, lo, hi)
-        for chunk in chunks.get(i, ()):
-            pos = chunk.positions
-            # Keep the prefix of the chunk that lies inside the prompt.
-            hi = len(pos)
-            while hi and pos[hi - 1] >= n:
-                hi -= 1
-            if any(p >= n for p in pos[:hi]):
-                raise CaptureError(f"prompt {i}: positions out of order within a step: {pos}")
-            if hi:
-                rows.append((pos[0], chunk, 0, hi))
-        rows.sort(key=lambda r: r[0])
         expected = 0
-        for _first, chunk, lo, hi in rows:
-            pos = chunk.positions[lo:hi]
-            if pos != list(range(expected, expected + len(pos))):
+        for start, count, tokens in sorted(by_prompt.get(i, ()), key=lambda r: r[0]):
+            if start != expected:
+                what = "repeated" if start < expected else "missing"
                 raise CaptureError(
-                    f"prompt {i}: captured positions {pos[:3]}..{pos[-1:]} where position "
-                    f"{expected} was expected (a missing, repeated or shifted row)"
+                    f"prompt {i}, layers {layers}: captured rows start at position {start} where "
+                    f"position {expected} was expected (a {what} or shifted row)"
                 )
-            if chunk.token_ids is not None and list(chunk.token_ids[lo:hi]) != list(
-                prompt[expected : expected + len(pos)]
-            ):
+            if tokens is not None and list(tokens) != list(prompt[start : start + count]):
                 raise CaptureError(
-                    f"prompt {i}: token ids of captured rows {expected}..{expected + len(pos) - 1} "
-                    "differ from the prompt (rows attributed to the wrong prompt)"
+                    f"prompt {i}, layers {layers}: token ids of captured rows "
+                    f"{start}..{start + count - 1} differ from the prompt (rows attributed to the "
+                    "wrong prompt)"
                 )
-            expected += len(pos)
+            expected = start + count
         if expected != n:
             raise CaptureError(
-                f"prompt {i}: captured {expected} of {n} rows (prompt incomplete)"
+                f"prompt {i}, layers {layers}: captured {expected} of {n} rows (prompt incomplete)"
             )
-        per_layer = []
-        for j, layer_id in enumerate(layer_ids):
-            # Always through cat: every result owns its memory (0.3.0 cloned too).
-            t = cat([chunk.layers[j][lo:hi] for _, chunk, lo, hi in rows])
-            if t.shape[0] != n:
-                raise CaptureError(f"prompt {i}, layer {layer_id}: {t.shape[0]} rows for {n} tokens")
-            if check_finite is not None and not check_finite(t):
-                raise CaptureError(f"prompt {i}, layer {layer_id}: non-finite hidden states")
-            per_layer.append(t)
-        out.append(per_layer)
-    return out

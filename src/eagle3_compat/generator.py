@@ -12,8 +12,10 @@ which sizes the KV cache for whichever platform it runs on (CUDA or CPU),
 does chunked prefill and both step phases itself, and returns
 ``collective_rpc`` replies as a list on every release.
 
-Results are assembled by :func:`eagle3_compat.capture.assemble` from what
-each worker recorded per step, and checked on every call.
+The rank-0 worker writes each step's rows straight into a shared-memory
+arena the driver created for the call (:mod:`eagle3_compat.arena`); the
+driver checks the metadata with :func:`eagle3_compat.capture.check_segments`
+and hands out tensors that are views of that memory, one mapping per prompt.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .capture import assemble, make_request_id, rank0_reply
-from .wire import unpack
+from .arena import DriverArena, layout_for, tensors_from_payload, transport_choice
+from .capture import CaptureError, check_segments, make_request_id, rank0_reply
 from .logs import get_logger
 from .worker import CAPTURE_POINTS, WORKER_EXTENSION
 
@@ -247,14 +249,27 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
     engine = self.llm.llm_engine
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     req_ids = [make_request_id(call, i) for i in range(len(prompts))]
+    info = self._e3c_worker_info
+    dtype_name = str(info["dtype"]).removeprefix("torch.")
+    layout = layout_for([len(p) for p in prompts], len(self.layer_ids), info["hidden_size"], dtype_name)
+    transport = transport_choice()
+    arena = None
     try:
-        _rpc(self, "e3c_arm", call)
+        if transport != "rpc" and DriverArena.available():
+            arena = self._e3c_arena = DriverArena(layout)
+        spec = None if arena is None else dict(arena.spec(), required=transport == "shm")
+        armed = rank0_reply(_rpc(self, "e3c_arm", call, [len(p) for p in prompts], spec))
+        if arena is not None:
+            arena.unlink()  # the worker has it mapped (or said why not)
+            if armed["transport"] != "shm":
+                _warn_rpc_once(self, armed["why"])
         for rid, ids in zip(req_ids, prompts):
             engine.add_request(rid, {"prompt_token_ids": ids}, params)
         while engine.has_unfinished_requests():
             engine.step()
-        replies = _rpc(self, "e3c_fetch", call)
+        captured = rank0_reply(_rpc(self, "e3c_fetch", call))
     except Exception as exc:
+        _discard_arena(self)
         if isinstance(exc, EngineDiedError) or _died(self, exc):
             generator_close(self)
             raise EngineDiedError(
@@ -268,20 +283,31 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
         # KeyboardInterrupt / SystemExit: do not leave engine processes behind.
         generator_close(self)
         raise
-    captured = rank0_reply(replies)
-    results = assemble(
-        prompts,
-        unpack(captured),
-        self.layer_ids,
-        cat=lambda parts: torch.cat(parts, dim=0),
-        check_finite=_all_finite,
-    )
+    try:
+        if captured["error"]:
+            raise CaptureError(f"call {call}: {captured['error']}")
+        check_segments(prompts, captured["segments"], self.layer_ids)
+        if captured["transport"] == "shm":
+            if arena is None:
+                raise CaptureError("the worker wrote to a shared-memory arena this call did not create")
+            results = arena.tensors(captured["dtype"], captured["hidden_size"])
+        else:
+            results = tensors_from_payload(
+                captured["payload"], layout, captured["dtype"], captured["hidden_size"]
+            )
+    finally:
+        _discard_arena(self)
+    for i, per_layer in enumerate(results):
+        for layer_id, t in zip(self.layer_ids, per_layer):
+            if not _all_finite(t):
+                raise CaptureError(f"prompt {i}, layer {layer_id}: non-finite hidden states")
     log.debug(
-        "call %d: %d prompts, %d steps, %d foreign rows",
+        "call %d: %d prompts, %d steps, %d foreign rows, %s transport",
         call,
         len(prompts),
         captured["steps"],
         captured["foreign_rows"],
+        captured["transport"],
     )
     return [
         {
@@ -291,6 +317,22 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
         }
         for ids, states in zip(prompts, results)
     ]
+
+
+def _discard_arena(self: Any) -> None:
+    arena = self.__dict__.pop("_e3c_arena", None)
+    if arena is not None:
+        arena.discard()
+
+
+def _warn_rpc_once(self: Any, why: str) -> None:
+    if not getattr(self, "_e3c_warned_rpc", False):
+        self._e3c_warned_rpc = True
+        log.warning(
+            "hidden states travel through the RPC channel, not shared memory (%s); this is "
+            "slower and holds a copy in the rank-0 worker",
+            why,
+        )
 
 
 def _all_finite(t: Any) -> bool:
@@ -381,6 +423,7 @@ def _abort(self: Any, req_ids: list[str]) -> None:
 
 def generator_close(self: Any) -> None:
     """Shut the engine down (idempotent)."""
+    _discard_arena(self)
     if getattr(self, "_e3c_closed", True):
         return
     self._e3c_closed = True

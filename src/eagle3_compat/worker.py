@@ -24,7 +24,10 @@ itself for layers that return one.  That is speculators 0.3.0's contract
 (the state before the final norm; Hugging Face ``hidden_states[k + 1]``
 except for the last layer, where HF applies the final norm).
 Rows leave the device at every step (only the scheduled rows; padding is
-never copied), so device memory does not grow with the call.
+never copied) through :mod:`eagle3_compat.offload` (pinned buffers and a
+side stream on CUDA), and go straight to their place in the call's arena
+(:mod:`eagle3_compat.arena`: shared memory with the driver), so neither
+device nor worker memory grows with the call and nothing is serialised.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .capture import StepLayout, StepSlicer
-from .wire import pack
+from .arena import LocalSink, ShmSink, layout_for
+from .capture import CaptureError, StepLayout, StepSlicer
 from .logs import get_logger
+from .offload import HostOffload, Staged
 
 __all__ = ["CaptureWorkerExtension", "WORKER_EXTENSION"]
 
@@ -60,12 +64,13 @@ CAPTURE_POINTS = ("layer_output", "layer_input")
 
 
 def _input_reader(layer: Any) -> Any:
-    """A function (args, kwargs) -> the state decoder ``layer`` receives.
+    """A function (args, kwargs) -> (the state decoder ``layer`` receives, owned).
 
     vLLM's EAGLE-3 serving reads, for aux layer ``k``, ``hidden_states +
     residual`` just before layer ``k`` runs (``LlamaModel.forward``,
     ``aux_hidden_state_layers``); the arguments are found by name in the
-    layer's own ``forward`` signature, so positional and keyword calls both work.
+    layer's own ``forward`` signature, so positional and keyword calls both
+    work.  ``owned``: the tensor was made here (a sum), not the model's own.
     """
     import inspect  # noqa: PLC0415
 
@@ -78,37 +83,91 @@ def _input_reader(layer: Any) -> Any:
     ih = names.index("hidden_states")
     ir = names.index("residual") if "residual" in names else None
 
-    def read(args: tuple, kwargs: dict) -> Any:
+    def read(args: tuple, kwargs: dict) -> tuple[Any, bool]:
         h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[ih]
         r = None
         if ir is not None:
             r = kwargs["residual"] if "residual" in kwargs else (args[ir] if len(args) > ir else None)
-        return h if r is None else h + r
+        return (h, False) if r is None else (h + r, True)
 
     return read
 
 
-def _layer_output(out: Any) -> Any:
+def _layer_output(out: Any) -> tuple[Any, bool]:
+    """(the output of a decoder layer, whether that tensor was made here)."""
     if isinstance(out, tuple):
         hidden = out[0]
         residual = out[1] if len(out) > 1 else None
         # vLLM layers return (hidden, residual) with the residual add fused into
         # the next norm; the layer's output proper is their sum.
-        return hidden if residual is None else hidden + residual
-    return out
+        return (hidden, False) if residual is None else (hidden + residual, True)
+    return out, False
 
 
 class _Step:
     """What the hooks collect during one ``execute_model`` call."""
 
-    __slots__ = ("slicer", "total", "layers", "positions", "token_ids")
+    __slots__ = ("total", "layers", "positions", "token_ids")
 
-    def __init__(self, slicer: StepSlicer, total: int) -> None:
-        self.slicer = slicer
+    def __init__(self, total: int) -> None:
         self.total = total
-        self.layers: dict[int, Any] = {}
-        self.positions: list[int] | None = None
-        self.token_ids: list[int] | None = None
+        self.layers: dict[int, Staged] = {}
+        self.positions: Staged | None = None
+        self.token_ids: Staged | None = None
+
+    def release(self) -> None:
+        for staged in (*self.layers.values(), self.positions, self.token_ids):
+            if staged is not None:
+                staged.release()
+
+
+class _Call:
+    """The rank-0 worker's state for one ``generate()`` call."""
+
+    def __init__(self, call: int, lengths: list[int], sink: Any, transport: str, debug: bool) -> None:
+        self.slicer = StepSlicer(call=call, lengths=lengths)
+        self.sink = sink
+        self.transport = transport
+        self.error: str | None = None
+        self.debug = debug
+
+    def process(self, step: _Step, layout: StepLayout, num_slots: int) -> None:
+        """Attribute one step's rows and write them to the arena (after their copy ended).
+
+        A :class:`CaptureError` is kept and reported by ``e3c_fetch`` (the
+        driver raises it); the engine goes on serving other requests.
+        """
+        try:
+            if self.error is not None or self.sink is None:
+                return
+            positions = step.positions.wait()  # type: ignore[union-attr]
+            if positions.dim() == 2:  # M-RoPE: [3, tokens]
+                positions = positions[0]
+            token_ids = None if step.token_ids is None else step.token_ids.wait().tolist()
+            rows = [step.layers[s].wait() for s in range(num_slots)]
+            segments = self.slicer.slice_step(
+                layout, positions.tolist(), token_ids, [r.shape[0] for r in rows]
+            )
+            for seg in segments:
+                for slot, r in enumerate(rows):
+                    self.sink.write(seg.index, slot, seg.start, seg.count, r[seg.src : seg.src + seg.count])
+            if self.debug:
+                log.warning(
+                    "step %d: %d rows, requests %s, layers %s",
+                    self.slicer.steps,
+                    step.total,
+                    list(zip(layout.req_ids, layout.num_tokens)),
+                    [tuple(t.shape) for t in rows],
+                )
+        except CaptureError as exc:
+            self.error = str(exc)
+        finally:
+            step.release()
+
+    def close(self) -> None:
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.close()
 
 
 class CaptureWorkerExtension:
@@ -139,31 +198,36 @@ class CaptureWorkerExtension:
         if bad:
             raise ValueError(f"layer ids {bad} out of range for {n_layers} decoder layers")
 
+        param = next(model.parameters())
         self._e3c_layer_ids = list(layer_ids)
         self._e3c_rank0 = get_tp_group().rank_in_group == 0
-        self._e3c_slicer: StepSlicer | None = None
+        self._e3c_call: _Call | None = None
         self._e3c_step: _Step | None = None
         self._e3c_debug = os.environ.get("EAGLE3_COMPAT_DEBUG", "") not in ("", "0")
+        self._e3c_offload = HostOffload(param.device) if self._e3c_rank0 else None
+        self._e3c_dtype = str(param.dtype).removeprefix("torch.")
+        self._e3c_hidden = int(runner.model_config.get_hidden_size())
         handles = []
+        offload = self._e3c_offload
 
-        def keep(slot: int, h: Any) -> None:
+        def keep(slot: int, h: Any, owned: bool) -> None:
             step = self._e3c_step
             if step is None:
                 return  # warm-up, profiling, or not armed: never captured
-            # Copy off the device now (scheduled rows only): memory stays flat.
-            step.layers[slot] = h[: step.total].detach().to("cpu", copy=True)
+            # Scheduled rows only (padding never leaves the device).
+            step.layers[slot] = offload.submit(slot, h[: step.total].detach(), owned)
 
         def layer_hook(slot: int):
             def hook(_module, _args, out):
                 if self._e3c_step is not None:
-                    keep(slot, _layer_output(out))
+                    keep(slot, *_layer_output(out))
 
             return hook
 
         def layer_pre_hook(slot: int, read: Any):
             def hook(_module, args, kwargs):
                 if self._e3c_step is not None:
-                    keep(slot, read(args, kwargs))
+                    keep(slot, *read(args, kwargs))
 
             return hook
 
@@ -180,10 +244,10 @@ class CaptureWorkerExtension:
                 buf = getattr(buf, "gpu", buf)
                 input_ids = buf if isinstance(buf, torch.Tensor) else None
             positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-            step.token_ids = None if input_ids is None else input_ids[: step.total].tolist()
-            if positions is not None and positions.dim() == 2:  # M-RoPE: [3, tokens]
-                positions = positions[0]
-            step.positions = None if positions is None else positions[: step.total].tolist()
+            if positions is not None:
+                step.positions = offload.submit("positions", positions[..., : step.total])
+            if input_ids is not None:
+                step.token_ids = offload.submit("token_ids", input_ids[: step.total])
 
         if self._e3c_rank0:
             for slot, k in enumerate(self._e3c_layer_ids):
@@ -198,20 +262,20 @@ class CaptureWorkerExtension:
         original = runner.execute_model
 
         def execute_model(scheduler_output, *args, **kwargs):
-            slicer = self._e3c_slicer
+            call = self._e3c_call
             total = scheduler_output.total_num_scheduled_tokens
-            if slicer is None or not total:
+            if call is None or not total:
                 return original(scheduler_output, *args, **kwargs)
             # Step-local state: a fetch() that races with an in-flight step
-            # (async scheduling) detaches the slicer; this step's rows then go
-            # to the detached slicer, never into the next call.
-            step = _Step(slicer, total)
+            # (async scheduling) detaches the call; this step's rows then go
+            # to the detached call, never into the next one.
+            step = _Step(total)
             self._e3c_step = step
             try:
                 result = original(scheduler_output, *args, **kwargs)
             finally:
                 self._e3c_step = None
-            self._e3c_record(scheduler_output, step)
+            self._e3c_record(scheduler_output, step, call)
             return result
 
         runner.execute_model = execute_model  # instance attribute: this runner only
@@ -221,79 +285,135 @@ class CaptureWorkerExtension:
             "capture": capture,
             "num_layers": n_layers,
             "rank0": self._e3c_rank0,
-            "dtype": str(next(model.parameters()).dtype),
+            "dtype": str(param.dtype),
+            "hidden_size": self._e3c_hidden,
+            "device": str(param.device),
             "torch": str(torch.__version__),
         }
         log.info("capture hooks on %s layers %s (rank0=%s)", info["model"], layer_ids, self._e3c_rank0)
         return info
 
-    def _e3c_record(self, scheduler_output: Any, step: _Step) -> None:
+    def _e3c_record(self, scheduler_output: Any, step: _Step, call: _Call) -> None:
         runner = self.model_runner  # type: ignore[attr-defined]
-        # The runner lays tokens out in input_batch.req_ids order (after its own
-        # reordering for the attention backend), each request's scheduled tokens
-        # contiguous; read that order rather than assume the scheduler's.
-        req_ids = [r for r in runner.input_batch.req_ids if r is not None]
-        counts = scheduler_output.num_scheduled_tokens
-        layout = StepLayout(tuple(req_ids), tuple(int(counts.get(r, 0)) for r in req_ids))
-        if layout.total != step.total:
-            raise RuntimeError(
-                f"eagle3_compat: step layout covers {layout.total} tokens but {step.total} "
-                "were scheduled; cannot attribute rows"
-            )
         n = len(self._e3c_layer_ids)
         missing = [self._e3c_layer_ids[s] for s in range(n) if s not in step.layers]
         if missing or step.positions is None:
+            step.release()
             raise RuntimeError(
                 "eagle3_compat: the decoder-layer hooks did not fire during an engine step "
                 f"(layer ids {missing}); is the model compiled or wrapped so that module "
                 "hooks do not run?"
             )
-        layers = [step.layers[s] for s in range(n)]
-        step.slicer.slice_step(layout, layers, step.positions, step.token_ids)
-        if self._e3c_debug:
-            log.warning(
-                "step %d: %d rows, requests %s, layers %s",
-                step.slicer.steps,
-                step.total,
-                list(zip(layout.req_ids, layout.num_tokens)),
-                [tuple(t.shape) for t in layers],
-            )
+        # The runner lays tokens out in input_batch.req_ids order (after its own
+        # reordering for the attention backend), each request's scheduled tokens
+        # contiguous; read that order (now: the batch changes at the next step)
+        # rather than assume the scheduler's.
+        req_ids = [r for r in runner.input_batch.req_ids if r is not None]
+        counts = scheduler_output.num_scheduled_tokens
+        try:
+            layout = StepLayout(tuple(req_ids), tuple(int(counts.get(r, 0)) for r in req_ids))
+            if layout.total != step.total:
+                raise CaptureError(
+                    f"step layout covers {layout.total} tokens but {step.total} were scheduled; "
+                    "cannot attribute rows"
+                )
+        except CaptureError as exc:
+            step.release()
+            call.error = call.error or str(exc)
+            return
+        self._e3c_offload.run(lambda: call.process(step, layout, n))  # type: ignore[union-attr]
 
     # -- per call ---------------------------------------------------------------
-    def e3c_arm(self, call: int) -> None:
-        """Start collecting rows for requests of ``generate()`` call ``call``."""
-        self._e3c_slicer = StepSlicer(call=call) if self._e3c_rank0 else None
+    def e3c_arm(self, call: int, lengths: list[int], arena: dict[str, Any] | None) -> Any:
+        """Start collecting rows of ``generate()`` call ``call`` (prompts of ``lengths`` tokens).
 
-    def e3c_fetch(self, call: int) -> Any:
-        """Hand over (and forget) the rows of call ``call``; ``None`` off rank 0."""
-        slicer, self._e3c_slicer = self._e3c_slicer, None
+        ``arena``: the driver's shared-memory file (:class:`~eagle3_compat.arena.DriverArena`
+        ``spec()``), or ``None`` for the RPC path.  Returns, on rank 0, the
+        transport in use and why; ``None`` on other ranks.
+        """
+        self.e3c_disarm()
         if not self._e3c_rank0:
             return None
-        if slicer is None or slicer.call != call:
+        import torch  # noqa: PLC0415
+
+        dtype = getattr(torch, self._e3c_dtype)
+        layout = layout_for(lengths, len(self._e3c_layer_ids), self._e3c_hidden, self._e3c_dtype)
+        why = "forced by EAGLE3_COMPAT_TRANSPORT=rpc" if arena is None else ""
+        sink: Any = None
+        if arena is not None:
+            opened = ShmSink.open(arena, layout, dtype, self._e3c_hidden)
+            if isinstance(opened, str):
+                why = opened
+                if arena.get("required"):
+                    raise RuntimeError(
+                        f"eagle3_compat: EAGLE3_COMPAT_TRANSPORT=shm but the rank-0 worker {why}"
+                    )
+            else:
+                sink = opened
+        transport = "shm"
+        if sink is None:
+            transport = "rpc"
+            sink = LocalSink(layout, dtype, self._e3c_hidden)
+        self._e3c_call = _Call(call, list(lengths), sink, transport, self._e3c_debug)
+        return {"transport": transport, "why": why}
+
+    def e3c_fetch(self, call: int) -> Any:
+        """Finish call ``call``: metadata (and the rows on the RPC path); ``None`` off rank 0."""
+        state, self._e3c_call = self._e3c_call, None
+        if not self._e3c_rank0:
+            return None
+        if state is None or state.slicer.call != call:
+            if state is not None:
+                state.close()
             raise RuntimeError(
                 f"eagle3_compat: capture was not armed for call {call} in this worker"
             )
-        wire = pack(slicer.chunks, len(self._e3c_layer_ids))
-        wire.update(steps=slicer.steps, foreign_rows=slicer.foreign_rows)
-        return wire
+        try:
+            self._e3c_offload.drain()  # type: ignore[union-attr]
+            reply = {
+                "transport": state.transport,
+                "segments": [s.to_wire() for s in state.slicer.segments],
+                "steps": state.slicer.steps,
+                "foreign_rows": state.slicer.foreign_rows,
+                "error": state.error,
+                "dtype": self._e3c_dtype,
+                "hidden_size": self._e3c_hidden,
+            }
+            if state.transport == "rpc" and state.error is None:
+                reply["payload"] = state.sink.payload()
+            return reply
+        finally:
+            state.close()
 
     def e3c_disarm(self) -> None:
-        self._e3c_slicer = None
+        state, self._e3c_call = getattr(self, "_e3c_call", None), None
+        if state is not None:
+            try:
+                self._e3c_offload.drain()  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001 - the call is abandoned anyway
+                log.debug("offload error while disarming", exc_info=True)
+            state.close()
 
     def e3c_teardown(self) -> None:
+        self.e3c_disarm()
         for h in getattr(self, "_e3c_handles", ()):
             h.remove()
         self._e3c_handles = []
+        offload = getattr(self, "_e3c_offload", None)
+        if offload is not None:
+            offload.close()
+            self._e3c_offload = None
         original = getattr(self, "_e3c_original_execute", None)
         if original is not None:
             del self.model_runner.execute_model  # type: ignore[attr-defined]
             self._e3c_original_execute = None
 
-    def e3c_memory(self, trim: bool = True) -> dict[str, int]:
+    def e3c_memory(self, trim: bool = True) -> dict[str, Any]:
         """Resident memory of this worker process, for the bounded-memory tests.
 
         ``trim`` first asks glibc to return freed heap pages to the system, so
         that the number reflects what is held rather than allocator caching.
+        ``call_open`` says whether this worker still holds a call's arena.
         """
         import ctypes  # noqa: PLC0415
         import gc  # noqa: PLC0415
@@ -308,15 +428,8 @@ class CaptureWorkerExtension:
             except (OSError, AttributeError):
                 pass
 
-        rss = psutil.Process().memory_info().rss
-        held = 0
-        if self._e3c_slicer is not None:
-            for chunks in self._e3c_slicer.chunks.values():
-                for c in chunks:
-                    held += sum(t.numel() * t.element_size() for t in c.layers)
         return {
-            "rss": rss,
+            "rss": psutil.Process().memory_info().rss,
             "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-            "held_bytes": held,
+            "call_open": getattr(self, "_e3c_call", None) is not None,
         }
-
