@@ -139,3 +139,54 @@ def test_unsupported_version_warns_or_raises_in_strict_mode():
     first, second = out.strip().splitlines()
     assert first.startswith("False 1 ") and "0.17.0rc1" in first and "0.11 to 0.16" in first
     assert second.startswith("strict:") and "0.17.0rc1" in second
+
+
+INHERIT = """
+    import json, os, sys
+    calls = []
+    import eagle3_compat
+    from eagle3_compat import _inherit, _state
+    eagle3_compat.apply = lambda **kw: calls.append(
+        (kw, getattr(sys.modules.get(_inherit.TARGET), "EXECUTED", None), _state.applying))
+    _state.applying = sys.argv[1] == "inside-apply"
+    _inherit.install()
+    _inherit.install()  # the .pth runs once; a second call must not hook twice
+    print("before import:", calls)
+    import speculators.data_generation.vllm_hidden_states_generator
+    import speculators.data_generation.vllm_hidden_states_generator as again
+    print("after import:", json.dumps(calls))
+    """
+
+
+@pytest.mark.parametrize("case", ["child", "inside-apply", "not-inherited", "malformed"])
+def test_inherit_hook_applies_once_after_the_generator_module_ran(tmp_path, case):
+    """``_inherit.install()`` (what the ``.pth`` runs) on a stand-in for
+    speculators' generator module: apply() with the parent's options right
+    after the module executed, once; not from inside apply() itself; nothing
+    without (or with a malformed) ``EAGLE3_COMPAT_APPLIED``."""
+    import json
+    import os
+
+    pkg = tmp_path / "speculators" / "data_generation"
+    pkg.mkdir(parents=True)
+    (tmp_path / "speculators" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "vllm_hidden_states_generator.py").write_text("EXECUTED = True\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("EAGLE3_COMPAT_APPLIED", None)
+    if case in ("child", "inside-apply"):
+        env["EAGLE3_COMPAT_APPLIED"] = json.dumps({"dtype": "float32"})
+    elif case == "malformed":
+        env["EAGLE3_COMPAT_APPLIED"] = "[1"
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(INHERIT), case], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    assert out[0] == "before import: []"
+    calls = json.loads(out[1].split(":", 1)[1])
+    if case == "child":
+        assert calls == [[{"dtype": "float32"}, True, False]]
+    else:
+        assert calls == []
+    if case == "malformed":
+        assert "ignoring malformed EAGLE3_COMPAT_APPLIED='[1'" in proc.stderr

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _state
+from . import logs as _logs  # noqa: F401  (only a NullHandler on the "eagle3_compat" logger)
 from .versions import SUPPORTED_SPECULATORS, SUPPORTED_VLLM, Found, detect, minor, vllm_supported
 
 __all__ = ["Status", "UnsupportedVersionError", "apply", "revert", "status", "__version__"]

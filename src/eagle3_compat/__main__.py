@@ -137,6 +137,24 @@ def _status(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_logging() -> None:
+    """The command line is an application: it shows our INFO lines on stderr.
+
+    Root keeps Python's default WARNING level (other libraries stay quiet);
+    the ``eagle3_compat`` logger gets ``EAGLE3_COMPAT_LOG_LEVEL`` (default
+    INFO; ``EAGLE3_COMPAT_DEBUG=1``: DEBUG).  Nothing happens where the root
+    logger already has handlers (``main()`` called from a configured program).
+    """
+    import logging
+
+    from eagle3_compat.logs import ROOT, level_from_env
+
+    if logging.getLogger().handlers:
+        return
+    logging.basicConfig(format="%(levelname)s [%(process)d] %(name)s: %(message)s")
+    logging.getLogger(ROOT).setLevel(level_from_env(logging.INFO))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3-compat", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -156,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="layer_output: speculators 0.3.0 (output of layer k); layer_input: vLLM "
                         "EAGLE-3 serving (input of layer k)")
     args = ap.parse_args(argv)
+    _configure_logging()
     return {"demo": _demo, "status": _status, "doctor": _doctor, "generate": _generate}[args.cmd](args)
 
 

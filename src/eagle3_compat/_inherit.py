@@ -6,9 +6,10 @@ Child processes inherit the environment.  At interpreter start the one-line
 ``eagle3_compat_inherit.pth`` that the wheel installs next to the package
 calls :func:`install` when that variable is set (and does nothing else
 otherwise): the child then applies with the parent's options as soon as it
-imports speculators' generator module, so a ``multiprocessing`` spawn child
-whose parent applied inside ``if __name__ == "__main__":`` is patched too,
-and a child of a parent that never applied (or reverted) is not.
+imports speculators' generator module (a ``wrapt`` post-import hook), so a
+``multiprocessing`` spawn child whose parent applied inside ``if __name__ ==
+"__main__":`` is patched too, and a child of a parent that never applied (or
+reverted) is not.
 
 vLLM's own engine and worker processes need none of this: the capture runs
 in them through the engine's ``worker_extension_cls``.
@@ -16,8 +17,6 @@ in them through the engine's ``worker_extension_cls``.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import json
 import os
 import sys
@@ -25,6 +24,8 @@ from typing import Any
 
 ENV = "EAGLE3_COMPAT_APPLIED"
 TARGET = "speculators.data_generation.vllm_hidden_states_generator"
+
+_registered = False  # one hook per process
 
 
 def _apply(options: dict[str, Any]) -> None:
@@ -38,34 +39,15 @@ def _apply(options: dict[str, Any]) -> None:
     eagle3_compat.apply(**options)
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs apply() right after speculators' generator module has executed."""
-
-    def __init__(self, options: dict[str, Any]) -> None:
-        self.options = options
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)  # one shot; also keeps the lookup below from recursing
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader, options = spec.loader, self.options
-        run = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            _apply(options)
-
-        loader.exec_module = exec_module  # this module's loader instance only
-        return spec
-
-
 def install() -> None:
-    """Called from the ``.pth`` file when ``EAGLE3_COMPAT_APPLIED`` is set."""
+    """Called from the ``.pth`` file when ``EAGLE3_COMPAT_APPLIED`` is set.
+
+    ``wrapt``'s post-import hook runs :func:`_apply` right after speculators'
+    generator module has executed (at once if it already has).
+    """
+    global _registered
     raw = os.environ.get(ENV)
-    if not raw:
+    if not raw or _registered:
         return
     try:
         options = json.loads(raw)
@@ -74,7 +56,7 @@ def install() -> None:
     except ValueError:
         sys.stderr.write(f"eagle3_compat: ignoring malformed {ENV}={raw!r}\n")
         return
-    if TARGET in sys.modules:
-        _apply(options)
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(options))
+    import wrapt  # noqa: PLC0415  (only in processes that inherit apply())
+
+    _registered = True
+    wrapt.register_post_import_hook(lambda _module: _apply(options), TARGET)
