@@ -23,3 +23,15 @@ def test_benchmark_quick_prints_table(vllm_minor):
     assert len(table) == 2, proc.stdout
     compat = next(ln for ln in table if "| compat |" in ln)
     assert "failed" not in compat
+
+
+def test_datapath_quick_prints_table(vllm_minor):
+    """The transport benchmark runs all three paths on the real engine; the
+    script itself asserts that they deliver the same rows."""
+    if vllm_minor != (0, 16):
+        pytest.skip("the benchmark is documented and run in the vllm016 env")
+    script = SCRIPT.parent / "datapath.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 0.")]
+    assert [ln.split("|")[2].strip() for ln in table] == ["before", "arena", "rpc"], proc.stdout

@@ -289,38 +289,48 @@ def test_foreign_ids_are_not_ours():
     assert parse_request_id("e3c:1:23") != (1, 2)
 
 
-def test_stale_call_rows_never_reach_results():
-    s = StepSlicer(call=1, lengths=[3])
-    segs = s.slice_step(StepLayout((make_request_id(0, 0) + "-ab",), (3,)), [0, 1, 2], [10, 11, 12], [3])
+def core_examples(core=capture, arena=arena_mod):
+    """Small cases, each for one check; also run against every mutant."""
+    mk = core.make_request_id
+    # rows of another call's request are counted, never attributed
+    s = core.StepSlicer(call=1, lengths=[3])
+    segs = s.slice_step(core.StepLayout((mk(0, 0) + "-ab",), (3,)), [0, 1, 2], [10, 11, 12], [3])
     assert segs == [] and s.segments == [] and s.foreign_rows == 3
-
-
-def test_rows_past_the_prompt_are_not_attributed():
-    s = StepSlicer(call=0, lengths=[3])
-    (seg,) = s.slice_step(StepLayout((make_request_id(0, 0),), (4,)), [0, 1, 2, 3], [5, 6, 7, 8], [4])
+    # a decode row past the prompt is not attributed
+    s = core.StepSlicer(call=0, lengths=[3])
+    (seg,) = s.slice_step(core.StepLayout((mk(0, 0),), (4,)), [0, 1, 2, 3], [5, 6, 7, 8], [4])
     assert (seg.index, seg.src, seg.start, seg.count, seg.token_ids) == (0, 0, 0, 3, (5, 6, 7))
-
-
-def test_segments_without_token_ids_still_checked_for_positions():
-    check_segments([[5, 6, 7]], [[0, 0, 3, None]], [1])
+    assert seg.to_wire() == [0, 0, 3, [5, 6, 7]]
+    # a run that starts mid-step, after another request's rows
+    s = core.StepSlicer(call=0, lengths=[2, 4])
+    segs = s.slice_step(core.StepLayout((mk(0, 1), mk(0, 0)), (2, 2)), [2, 3, 0, 1], [7, 8, 5, 6], [5])
+    assert [(g.index, g.src, g.start, g.count) for g in segs] == [(1, 0, 2, 2), (0, 2, 0, 2)]
+    # without token ids the positions are still checked
+    core.check_segments([[5, 6, 7]], [[0, 0, 3, None]], [1])
     with pytest.raises(CaptureError, match="captured 2 of 3"):
-        check_segments([[5, 6, 7]], [[0, 0, 2, None]], [1])
-
-
-def test_check_names_prompt_and_layers():
+        core.check_segments([[5, 6, 7]], [[0, 0, 2, None]], [1])
+    # errors name the prompt and the layers
     with pytest.raises(CaptureError, match=r"prompt 1, layers \[2, 9\]: token ids"):
-        check_segments([[1], [2, 3]], [[0, 0, 1, [1]], [1, 0, 2, [2, 4]]], [2, 9])
+        core.check_segments([[1], [2, 3]], [[0, 0, 1, [1]], [1, 0, 2, [2, 4]]], [2, 9])
     with pytest.raises(CaptureError, match="prompt index 5"):
-        check_segments([[1]], [[5, 0, 1, [1]]], [0])
+        core.check_segments([[1]], [[5, 0, 1, [1]]], [0])
     with pytest.raises(CaptureError, match="a captured run of 0 rows"):
-        check_segments([[1]], [[0, 0, 1, [1]], [0, 1, 0, []]], [0])
-
-
-def test_layout_must_be_consistent():
+        core.check_segments([[1]], [[0, 0, 1, [1]], [0, 1, 0, []]], [0])
+    with pytest.raises(CaptureError, match=r"start at position 1 where position 2 was expected \(a repeated"):
+        core.check_segments([[1, 2]], [[0, 0, 2, [1, 2]], [0, 1, 1, [2]]], [0])
+    with pytest.raises(CaptureError, match=r"where position 1 was expected \(a missing"):
+        core.check_segments([[1, 2, 3]], [[0, 0, 1, [1]], [0, 2, 1, [3]]], [0])
+    # the layout itself
     with pytest.raises(CaptureError, match="2 token counts"):
-        StepLayout(("a",), (1, 2))
+        core.StepLayout(("a",), (1, 2))
     with pytest.raises(CaptureError, match="negative"):
-        StepLayout(("a",), (-1,))
+        core.StepLayout(("a",), (-1,))
+    with pytest.raises(CaptureError, match="repeats a request id"):
+        core.StepLayout(("a", "a"), (1, 1))
+
+
+def test_core_examples():
+    core_examples()
 
 
 def test_both_reply_conventions_and_refusals():

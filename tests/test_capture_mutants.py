@@ -1,8 +1,13 @@
-"""The property tests have teeth: deliberate mutants of the capture core fail them.
+"""The core's tests have teeth: every check of the capture core and the arena,
+removed or bent one at a time, is caught by the tests that need no engine.
 
-Each mutant is the real ``eagle3_compat.capture`` source with one textual
-change, loaded as a separate module; the same property check that passes
-on the real core must find a counterexample for every mutant.
+Each mutant is the real ``eagle3_compat.capture`` or ``eagle3_compat.arena``
+source with one textual change, loaded as a separate module.  The checks
+run against it are the ones ``test_capture_core.py`` and ``test_arena.py``
+run against the real modules, where they pass: exact reassembly, every
+single fault refused with its own error (``pytest.raises(CaptureError,
+match=...)``: a mutant that raises another error, the right error with
+another message, or nothing, fails them), and the arena's examples.
 """
 
 from __future__ import annotations
@@ -14,53 +19,112 @@ import types
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
-from eagle3_compat import capture
+from eagle3_compat import arena, capture
 
-pytest.importorskip("torch")
-from test_capture_core import check_reassembly, scenarios  # noqa: E402
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.once  # ~1 min of pure logic: the same on every vLLM release
+from test_arena import arena_examples  # noqa: E402
+from test_capture_core import check_fault, check_reassembly, core_examples, faulty, scenarios  # noqa: E402
 
+# name: (module, old text, new text)
 MUTANTS = {
-    # rows attributed one too far (a running-offset bug)
-    "off-by-one-offset": ("layers=[h[start:end] for h in layers]", "layers=[h[start + 1 : end + 1] for h in layers]"),
-    # chunks of a prompt joined in reverse order
-    "reversed-order": ("rows.sort(key=lambda r: r[0])", "rows.sort(key=lambda r: -r[0])"),
-    # the last request of a step swallows the padding rows
-    "padding-not-trimmed": (
-        "            end = start + n\n",
-        "            end = start + n if req_id != layout.req_ids[-1] else len(positions)\n",
-    ),
-    # the first step's layout reused for every later step
-    "stale-metadata": (
-        '        total = layout.total\n',
-        '        layout = self.__dict__.setdefault("_stale", layout)\n        total = layout.total\n',
-    ),
+    # -- worker side: attribution of a step's rows ------------------------------
+    "positions-not-checked-consecutive": (
+        capture, "if first < 0 or pos[:hi] != list(range(first, first + hi)):", "if first < 0:"),
+    "unknown-prompt-index-not-checked": (capture, "if index >= len(self.lengths):", "if False:"),
+    "layer-row-count-not-checked": (capture, "if rows < total:", "if False:"),
+    "position-count-not-checked": (capture, "if len(positions) < total:", "if False:"),
+    "token-count-not-checked": (capture, "if token_ids is not None and len(token_ids) < total:", "if False:"),
+    "duplicate-request-id-allowed": (capture, "if len(set(self.req_ids)) != len(self.req_ids):", "if False:"),
+    "rows-past-prompt-kept": (capture, "while hi and pos[hi - 1] >= plen:", "while False:"),
+    "other-calls-rows-kept": (capture, "if parsed is None or parsed[0] != self.call:", "if parsed is None:"),
+    "run-offset-off-by-one": (capture, "                            src=start,\n",
+                              "                            src=start + 1,\n"),
+    "first-layout-reused": (capture, "        total = layout.total\n",
+                            '        layout = self.__dict__.setdefault("_stale", layout)\n'
+                            "        total = layout.total\n"),
+    # -- the wire: what the driver is told ----------------------------------------
+    "token-ids-not-sent": (capture, "None if self.token_ids is None else list(self.token_ids)]", "None]"),
+    # -- driver side: the coverage check ------------------------------------------
+    "unknown-index-not-checked-by-driver": (capture, "if not 0 <= index < len(prompts):", "if False:"),
+    "empty-run-allowed": (capture, "if count <= 0:", "if False:"),
+    "gap-or-overlap-allowed": (capture, "if start != expected:", "if False:"),
+    "token-ids-not-compared": (capture, "if tokens is not None and list(tokens) !=", "if False and list(tokens) !="),
+    "incomplete-prompt-allowed": (capture, "if expected != n:", "if False:"),
+    "runs-sorted-backwards": (capture, "key=lambda r: r[0])", "key=lambda r: -r[0])"),
+    # -- the arena ------------------------------------------------------------------
+    "row-width-or-count-not-checked": (
+        arena, "if rows.dim() != 2 or rows.shape[0] != count or rows.shape[1] != self.hidden:", "if False:"),
+    "row-dtype-not-checked": (arena, "if rows.dtype != self.dtype:", "if False:"),
+    "row-bounds-not-checked": (arena, "if start < 0 or start + count > n:", "if False:"),
+    "blocks-overlap": (arena, "off = _align(off + size)", "off = _align(off + size // 2)"),
+    "every-dtype-decoded-as-float32": (arena, "dtype = getattr(torch, name, None)", "dtype = torch.float32"),
+    "bfloat16-decoded-as-float16": (
+        arena, "dtype = getattr(torch, name, None)",
+        'dtype = getattr(torch, "float16" if name == "bfloat16" else name, None)'),
+    "payload-not-checked": (arena, "if t.dtype != dtype or tuple(t.shape) != (n, hidden):", "if False:"),
+    "payload-names-not-checked": (arena, "if set(got) != expected:", "if False:"),
+    "wrong-nonce-accepted": (
+        arena, "if os.pread(fd, NONCE_BYTES, 0) != bytes.fromhex(spec[\"nonce\"]):", "if False:"),
+    "worker-layout-not-compared": (arena, 'if spec.get("total") != layout.total:', "if False:"),
 }
 
 
-def mutant(name: str) -> types.ModuleType:
-    old, new = MUTANTS[name]
-    src = inspect.getsource(capture)
-    assert src.count(old) == 1, f"mutation {name!r} no longer matches the source"
-    mod = types.ModuleType(f"capture_mutant_{name.replace('-', '_')}")
+def mutant(name: str) -> tuple[types.ModuleType, types.ModuleType]:
+    """(capture module, arena module) with mutation ``name`` applied to one of them."""
+    module, old, new = MUTANTS[name]
+    src = inspect.getsource(module)
+    assert src.count(old) == 1, f"mutation {name!r} no longer matches {module.__name__}"
+    mod = types.ModuleType(f"{module.__name__}_mutant_{name.replace('-', '_')}")
     sys.modules[mod.__name__] = mod  # dataclasses look their module up
-    exec(compile(src.replace(old, new), mod.__name__, "exec"), mod.__dict__)  # noqa: S102
-    return mod
+    code = src.replace(old, new)
+    if module is arena:  # the arena must raise the real core's CaptureError
+        code = code.replace("from .capture import CaptureError", "from eagle3_compat.capture import CaptureError")
+    exec(compile(code, mod.__name__, "exec"), mod.__dict__)  # noqa: S102
+    return (mod, arena) if module is capture else (capture, mod)
 
 
-def test_real_core_passes_the_check():
+def test_every_check_has_a_mutant():
+    """Each ``raise CaptureError`` of the core and the arena is bent by some mutant."""
+    for module in (capture, arena):
+        raises = inspect.getsource(module).count("raise CaptureError(")
+        mutated = sum(1 for m, *_ in MUTANTS.values() if m is module)
+        assert mutated >= raises, (module.__name__, raises, mutated)
+
+
+def test_real_modules_pass_every_check():
+    core_examples(capture, arena)
+    arena_examples(capture, arena)
     check_reassembly(([3, 5], [0, 2], 4, 2, 2, True, True, 0, 1))
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
-def test_mutant_is_caught(name):
-    mod = mutant(name)
+def test_mutant_is_caught(name, tmp_path):
+    core, arena_mutant = mutant(name)
+
+    def examples():
+        core_examples(core, arena_mutant)
+        arena_examples(core, arena_mutant, tmp_path)
 
     # no shrinking: finding any counterexample is the point, not the smallest
-    @settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-              phases=[Phase.explicit, Phase.generate])
-    @given(scenarios())
-    def prop(sc):
-        check_reassembly(sc, core=mod)
+    quick = settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+                     phases=[Phase.explicit, Phase.generate])
 
-    with pytest.raises(Exception):  # noqa: B017,PT011 - any failure counts as caught
-        prop()
+    @quick
+    @given(scenarios())
+    def exact(sc):
+        check_reassembly(sc, core=core, arena=arena_mutant)
+
+    @quick
+    @given(faulty())
+    def faults(case):
+        check_fault(case, core=core, arena=arena_mutant)
+
+    failures = []
+    for check in (examples, exact, faults):
+        try:
+            check()
+        except (Exception, pytest.fail.Exception) as exc:  # noqa: BLE001 - the checks demand specific errors
+            failures.append(f"{check.__name__}: {type(exc).__name__}")
+            break  # caught; the other checks would only cost time
+    assert failures, f"mutant {name!r} passed every check"

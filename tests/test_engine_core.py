@@ -74,12 +74,13 @@ def test_tensor_input_and_single_token_prompt(gen, llama):
     _check(results, llama, prompts, LAYERS, F32_TOL)
 
 
-def test_truncation_keeps_0_3_0_behaviour_and_warns(gen, llama, capfd):
+def test_truncation_keeps_0_3_0_behaviour_and_warns(gen, llama, caplog):
     long = [4 + (i % 390) for i in range(MAX_MODEL_LEN + 5)]
     short = [5, 6, 7]
-    results = gen.generate([short, long])
-    err = capfd.readouterr().err
-    assert "truncating 1 prompt(s)" in err and "[1]" in err
+    with caplog.at_level("WARNING", logger="eagle3_compat"):
+        results = gen.generate([short, long])
+    warned = [r.getMessage() for r in caplog.records if r.name == "eagle3_compat.generator"]
+    assert any("truncating 1 prompt(s)" in m and "[1]" in m for m in warned), warned
     assert results[1]["input_ids"].tolist() == long[: MAX_MODEL_LEN - 1]
     _check(results, llama, [short, long[: MAX_MODEL_LEN - 1]], LAYERS, F32_TOL)
 
@@ -125,9 +126,13 @@ def test_results_are_the_arena_and_rpc_path_is_identical(gen, monkeypatch):
     assert _shm_names() == []
     monkeypatch.setenv("EAGLE3_COMPAT_TRANSPORT", "rpc")
     rpc = gen.generate(prompts)
+    # Two engine calls: equal up to float32 noise of the CPU kernels (the
+    # transports themselves are bit-exact: test_arena.py); a shifted row or
+    # swapped prompt differs by far more.
     for a, b in zip(shm, rpc):
         for x, y in zip(a["hidden_states"], b["hidden_states"]):
-            assert x.dtype == y.dtype and torch.equal(x, y)
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.allclose(x, y, rtol=1e-5, atol=1e-5), float((x - y).abs().max())
     # Each tensor's storage is its own rows: torch.save writes one sample only.
     h = shm[3]["hidden_states"][1]
     assert h.untyped_storage().nbytes() == h.numel() * h.element_size()

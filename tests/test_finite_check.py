@@ -1,4 +1,4 @@
-"""The driver's finiteness check (a float32 sum first, elementwise on overflow)."""
+"""The driver's finiteness check (bit patterns for bf16/fp16/fp32; a float32 sum otherwise)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,19 @@ def test_finite_values_whose_sum_overflows_are_finite():
     assert _all_finite(big)
     big[3, 3] = float("nan")
     assert not _all_finite(big)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_extremes_and_subnormals_are_finite(dtype):
+    info = torch.finfo(dtype)
+    x = torch.tensor([info.max, -info.max, info.tiny, -info.tiny, 0.0, -0.0], dtype=dtype)
+    x = torch.cat([x, x.new_tensor([info.tiny / 4])])  # a subnormal
+    assert _all_finite(x)
+    assert _all_finite(x[::2])  # not contiguous
+
+
+def test_other_dtypes_use_the_sum():
+    x = torch.randn(10, dtype=torch.float64)
+    assert _all_finite(x)
+    x[4] = float("nan")
+    assert not _all_finite(x)

@@ -283,24 +283,8 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
         # KeyboardInterrupt / SystemExit: do not leave engine processes behind.
         generator_close(self)
         raise
-    try:
-        if captured["error"]:
-            raise CaptureError(f"call {call}: {captured['error']}")
-        check_segments(prompts, captured["segments"], self.layer_ids)
-        if captured["transport"] == "shm":
-            if arena is None:
-                raise CaptureError("the worker wrote to a shared-memory arena this call did not create")
-            results = arena.tensors(captured["dtype"], captured["hidden_size"])
-        else:
-            results = tensors_from_payload(
-                captured["payload"], layout, captured["dtype"], captured["hidden_size"]
-            )
-    finally:
-        _discard_arena(self)
-    for i, per_layer in enumerate(results):
-        for layer_id, t in zip(self.layer_ids, per_layer):
-            if not _all_finite(t):
-                raise CaptureError(f"prompt {i}, layer {layer_id}: non-finite hidden states")
+    self.__dict__.pop("_e3c_arena", None)  # collect_results gives it back, whatever happens
+    results = collect_results(prompts, self.layer_ids, layout, arena, captured, call)
     log.debug(
         "call %d: %d prompts, %d steps, %d foreign rows, %s transport",
         call,
@@ -319,6 +303,41 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
     ]
 
 
+def collect_results(
+    prompts: list[list[int]],
+    layer_ids: list[int],
+    layout: Any,
+    arena: DriverArena | None,
+    captured: dict[str, Any],
+    call: int,
+) -> list[list[Any]]:
+    """The driver's side of a finished call: check, then map (or decode) the rows.
+
+    Gives the arena back in every case; raises :class:`CaptureError` naming
+    the call, prompt and layers when anything does not add up.
+    """
+    try:
+        if captured["error"]:
+            raise CaptureError(f"call {call}: {captured['error']}")
+        check_segments(prompts, captured["segments"], layer_ids)
+        if captured["transport"] == "shm":
+            if arena is None:
+                raise CaptureError("the worker wrote to a shared-memory arena this call did not create")
+            results = arena.tensors(captured["dtype"], captured["hidden_size"])
+        else:
+            results = tensors_from_payload(
+                captured["payload"], layout, captured["dtype"], captured["hidden_size"]
+            )
+    finally:
+        if arena is not None:
+            arena.discard()
+    for i, per_layer in enumerate(results):
+        for layer_id, t in zip(layer_ids, per_layer):
+            if not _all_finite(t):
+                raise CaptureError(f"prompt {i}, layer {layer_id}: non-finite hidden states")
+    return results
+
+
 def _discard_arena(self: Any) -> None:
     arena = self.__dict__.pop("_e3c_arena", None)
     if arena is not None:
@@ -335,16 +354,32 @@ def _warn_rpc_once(self: Any, why: str) -> None:
         )
 
 
+# (integer view, mask of the magnitude bits, the pattern of +inf): a value is
+# inf or NaN exactly when its exponent bits are all ones, i.e. when its
+# magnitude bits, read as an integer, are at least those of +inf.
+_INF_BITS: dict[str, tuple[str, int, int]] = {
+    "bfloat16": ("int16", 0x7FFF, 0x7F80),
+    "float16": ("int16", 0x7FFF, 0x7C00),
+    "float32": ("int32", 0x7FFFFFFF, 0x7F800000),
+}
+
+
 def _all_finite(t: Any) -> bool:
     """Whether every value of ``t`` is finite.
 
-    A float32 sum is non-finite whenever any entry is inf or NaN, and costs a
-    fraction of an elementwise ``isfinite`` on bfloat16 (profiled:
-    ~30x less on this CPU; it was the driver's largest cost per call).  Only a
-    sum that overflows on finite values falls back to the elementwise check.
+    For bfloat16, float16 and float32 the check reads the bits: one masked
+    integer maximum, no float conversion (measured on this CPU at hidden
+    7168 bf16: about half the time of a float32 sum, which was itself ~30x
+    cheaper than an elementwise ``isfinite`` on bfloat16).  Other dtypes:
+    a float32 sum, elementwise only when the sum overflows on finite values.
     """
     import torch  # noqa: PLC0415
 
+    bits = _INF_BITS.get(str(t.dtype).removeprefix("torch."))
+    if bits is not None and t.numel():
+        int_dtype, mask, inf = bits
+        v = t.contiguous().view(getattr(torch, int_dtype))
+        return int(torch.bitwise_and(v, mask).amax()) < inf
     return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from .arena import LocalSink, ShmSink, layout_for
 from .capture import CaptureError, StepLayout, StepSlicer
-from .logs import get_logger
+from .logs import attach_to_vllm_logging, get_logger
 from .offload import HostOffload, Staged
 
 __all__ = ["CaptureWorkerExtension", "WORKER_EXTENSION"]
@@ -181,6 +181,7 @@ class CaptureWorkerExtension:
         returns) or ``"layer_input"`` (vLLM's EAGLE-3 serving: what layer ``k``
         receives).
         """
+        attach_to_vllm_logging()  # one of vLLM's processes: our records through its handlers
         import torch  # noqa: PLC0415
         from vllm.distributed import get_pp_group, get_tp_group  # noqa: PLC0415
 

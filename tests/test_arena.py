@@ -1,0 +1,166 @@
+"""The arena and the device-to-host offload, without an engine.
+
+``arena_examples`` is also run against every mutant of the arena
+(``test_capture_mutants.py``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eagle3_compat import arena as arena_mod
+from eagle3_compat import capture
+from eagle3_compat.capture import CaptureError
+
+torch = pytest.importorskip("torch")
+
+
+def _random_bits(shape, dtype, seed):
+    """Arbitrary bit patterns of ``dtype`` (finite or not): a dtype mix-up cannot hide."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.tensor(shape).prod()) * dtype.itemsize
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(dtype).view(*shape)
+
+
+def arena_examples(core=capture, arena=arena_mod, directory=None):
+    lengths, hidden = [5, 1, 300], 7
+    for name in ("bfloat16", "float16", "float32"):
+        dtype = getattr(torch, name)
+        layout = arena.layout_for(lengths, 2, hidden, name)
+        # regions: inside their page-aligned block, never overlapping, all inside total
+        spans = sorted(layout.region(i, j) for i in range(3) for j in range(2))
+        assert all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert spans[0][0] >= arena.NONCE_BYTES and spans[-1][0] + spans[-1][1] <= layout.total
+        assert all(layout.block(i)[0] % arena.PAGE == 0 for i in range(3))
+        assert layout.region(2, 1)[1] == 300 * hidden * dtype.itemsize
+        data = [[_random_bits((n, hidden), dtype, 10 * i + j) for j in range(2)] for i, n in enumerate(lengths)]
+
+        # the RPC path: a safetensors payload, every tensor back bit for bit
+        sink = arena.LocalSink(layout, dtype, hidden)
+        for i, per in enumerate(data):
+            for j, t in enumerate(per):
+                sink.write(i, j, 0, 2, t[:2]) if lengths[i] > 2 else sink.write(i, j, 0, lengths[i], t)
+                if lengths[i] > 2:
+                    sink.write(i, j, 2, lengths[i] - 2, t[2:])
+        back = arena.tensors_from_payload(sink.payload(), layout, name, hidden)
+        for i, per in enumerate(data):
+            for j, t in enumerate(per):
+                assert back[i][j].dtype == dtype
+                assert torch.equal(back[i][j].view(torch.uint8), t.view(torch.uint8)), (name, i, j)
+
+        # the shared-memory path
+        d = arena.DriverArena(layout, **({} if directory is None else {"directory": str(directory)}))
+        spec = d.spec()
+        shm = arena.ShmSink.open(spec, layout, dtype, hidden)
+        assert not isinstance(shm, str), shm
+        for i, per in enumerate(data):
+            for j, t in enumerate(per):
+                shm.write(i, j, 0, lengths[i], t)
+        shm.close()
+        d.unlink()
+        assert not os.path.exists(spec["path"])
+        out = d.tensors(name, hidden)
+        for i, per in enumerate(data):
+            for j, t in enumerate(per):
+                assert out[i][j].dtype == dtype and out[i][j].shape == t.shape
+                assert torch.equal(out[i][j].view(torch.uint8), t.view(torch.uint8)), (name, i, j)
+                # its storage is its own rows: torch.save writes this tensor only
+                assert out[i][j].untyped_storage().nbytes() == t.numel() * dtype.itemsize
+
+    # every write is checked: count, width, dtype, bounds
+    layout = arena.layout_for([4], 1, 3, "float32")
+    sink = arena.LocalSink(layout, torch.float32, 3)
+    with pytest.raises(CaptureError, match=r"shape \(1, 3\), expected \[2, 3\]"):
+        sink.write(0, 0, 0, 2, torch.zeros(1, 3))  # would broadcast one row over two
+    with pytest.raises(CaptureError, match=r"shape \(2, 1\)"):
+        sink.write(0, 0, 0, 2, torch.zeros(2, 1))  # would broadcast one column
+    with pytest.raises(CaptureError, match="captured torch.float64, expected torch.float32"):
+        sink.write(0, 0, 0, 2, torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(CaptureError, match=r"positions 3..4 do not fit a prompt of 4"):
+        sink.write(0, 0, 3, 2, torch.zeros(2, 3))
+
+    # a payload that is not this call's is refused
+    other = arena.LocalSink(arena.layout_for([4, 2], 1, 3, "float32"), torch.float32, 3).payload()
+    with pytest.raises(CaptureError, match="do not match this call"):
+        arena.tensors_from_payload(other, layout, "float32", 3)
+    with pytest.raises(CaptureError, match=r"expected torch.bfloat16"):
+        arena.tensors_from_payload(sink.payload(), layout, "bfloat16", 3)
+
+    # the worker recognises the driver's file, and only it
+    d = arena.DriverArena(layout, **({} if directory is None else {"directory": str(directory)}))
+    try:
+        wrong = dict(d.spec(), nonce="00" * arena.NONCE_BYTES)
+        assert "nonce differs" in arena.ShmSink.open(wrong, layout, torch.float32, 3)
+        gone = dict(d.spec(), path=d.spec()["path"] + "-elsewhere")
+        assert "cannot open" in arena.ShmSink.open(gone, layout, torch.float32, 3)
+        with pytest.raises(CaptureError, match="disagree on the layout"):
+            arena.ShmSink.open(dict(d.spec(), total=layout.total + 1), layout, torch.float32, 3)
+    finally:
+        d.discard()
+
+
+def test_arena_examples():
+    arena_examples()
+
+
+def test_arena_in_dev_shm_leaves_nothing_and_stale_names_are_swept(tmp_path):
+    before = set(os.listdir(arena_mod.SHM_DIR))
+    arena_examples()
+    assert set(os.listdir(arena_mod.SHM_DIR)) - before == set()
+    # a name left by a driver killed inside the arm RPC: its pid is gone
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f"{arena_mod.PREFIX}{dead}-abc"
+    alive = tmp_path / f"{arena_mod.PREFIX}{os.getpid()}-abc"
+    stale.write_bytes(b"x")
+    alive.write_bytes(b"x")
+    assert arena_mod.sweep_stale(str(tmp_path)) == [stale.name]
+    assert not stale.exists() and alive.exists()
+
+
+def test_results_outlive_the_name_and_free_with_the_tensors():
+    """The memory is the kernel's until the last mapping goes: after unlink the
+    name is gone; tensors stay readable; dropping them returns the pages."""
+    layout = arena_mod.layout_for([4096] * 4, 2, 1024, "float32")  # 128 MiB
+    d = arena_mod.DriverArena(layout)
+    sink = arena_mod.ShmSink.open(d.spec(), layout, torch.float32, 1024)
+    for i in range(4):
+        for j in range(2):
+            sink.write(i, j, 0, 4096, torch.full((4096, 1024), float(i * 2 + j)))
+    sink.close()
+    d.unlink()
+
+    def shmem_kb():
+        with open("/proc/meminfo") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("Shmem:"))
+
+    out = d.tensors("float32", 1024)
+    held = shmem_kb()
+    assert float(out[3][1][17, 5]) == 7.0
+    buf = io.BytesIO()
+    torch.save(out[2][0], buf)
+    assert buf.tell() < 4096 * 1024 * 4 + 4096  # one tensor's bytes, not the call's
+    del out
+    assert held - shmem_kb() > 0.9 * layout.total / 1024  # the pages went back
+
+
+def test_offload_on_cpu_copies_what_it_does_not_own():
+    from eagle3_compat.offload import HostOffload
+
+    off = HostOffload("cpu")
+    t = torch.arange(6.0).view(3, 2)
+    owned = off.submit("a", t, owned=True)
+    copied = off.submit("b", t, owned=False)
+    t.add_(100)  # the model changes its tensor in place after the hook
+    assert owned.wait() is t
+    assert torch.equal(copied.wait(), torch.arange(6.0).view(3, 2))
+    ran = []
+    off.run(lambda: ran.append(1))
+    assert ran == [1]  # inline on the CPU
+    off.drain()
+    off.close()
