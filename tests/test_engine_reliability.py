@@ -127,6 +127,13 @@ def test_missing_model_and_unverified_architecture(tmp_path, model):
         VllmHiddenStatesGenerator(str(other), layer_ids=[0])
 
 
+def shm_names():
+    """Names of eagle3_compat arenas in /dev/shm (none may outlive a call)."""
+    from eagle3_compat.arena import PREFIX, SHM_DIR
+
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
+
+
 def test_killed_engine_is_a_clear_error_and_leaves_no_processes(model, gen):
     from speculators.data_generation import VllmHiddenStatesGenerator
 
@@ -144,6 +151,7 @@ def test_killed_engine_is_a_clear_error_and_leaves_no_processes(model, gen):
     while [p for p in engine_children() if p.pid not in keep] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in engine_children() if p.pid not in keep], "orphan engine processes"
+    assert shm_names() == []  # the arena made for the failed call is gone
     with pytest.raises(RuntimeError, match="closed"):
         g.generate([[5]])
     g.close()  # harmless
@@ -152,22 +160,36 @@ def test_killed_engine_is_a_clear_error_and_leaves_no_processes(model, gen):
 
 
 def test_keyboard_interrupt_then_close_twice_leaves_no_engine_processes(model, gen, monkeypatch):
-    """Ctrl-C inside generate() shuts the engine down by itself; the context
+    """Ctrl-C inside generate() (here while the worker maps the call's arena,
+    the one moment its name exists in /dev/shm) removes the arena and shuts
+    the engine down by itself; the context
     manager's exit, close() and __del__ after that are harmless, and the
     generator says it is closed."""
     from speculators.data_generation import VllmHiddenStatesGenerator
 
     keep = {p.pid for p in engine_children()}
 
-    def interrupted():
-        raise KeyboardInterrupt
-
     with VllmHiddenStatesGenerator(str(model), layer_ids=[0], max_model_len=128) as g:
         assert g.generate([[5, 6, 7]])[0]["hidden_states"][0].shape == (3, 256)
         assert [p for p in engine_children() if p.pid not in keep]
-        monkeypatch.setattr(g.llm.llm_engine, "step", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            g.generate([[5, 6, 7]])
+        import eagle3_compat.generator as driver
+
+        rpc = driver._rpc
+
+        def interrupted_in_arm(self, method, *args):
+            if method == "e3c_arm":  # the arena's name exists until the worker has mapped it
+                assert shm_names(), "the arena should exist during the arm RPC"
+                raise KeyboardInterrupt
+            return rpc(self, method, *args)
+
+        with monkeypatch.context() as m:
+            m.setattr(driver, "_rpc", interrupted_in_arm)
+            with pytest.raises(KeyboardInterrupt):
+                g.generate([[5, 6, 7]])
+        assert shm_names() == []
+        assert g._e3c_closed  # Ctrl-C closed the engine
+        with pytest.raises(RuntimeError, match="closed"):
+            g.generate([[5]])
         deadline = time.monotonic() + 30
         while [p for p in engine_children() if p.pid not in keep] and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -269,5 +291,6 @@ def test_killed_tensor_parallel_worker_is_a_clear_error(model, monkeypatch, vict
         time.sleep(0.2)
     left = [(p.pid, p.cmdline()[-3:]) for p in engine_children() if p.pid not in keep]
     assert not left, f"orphan engine processes {left}"
+    assert shm_names() == []
     with pytest.raises(RuntimeError, match="closed"):
         g.generate([[5]])

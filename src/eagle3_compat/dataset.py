@@ -13,6 +13,8 @@ Each sample is validated (rows equal tokens, finite) before it is written.
 
 from __future__ import annotations
 
+import gc
+
 import json
 import os
 import re
@@ -238,6 +240,13 @@ def run_generate(
                     },
                 )
                 tokens += n
+            # The batch's states are views of its shared-memory arena; they go
+            # back when the tensors do.  torch.save on torch 2.8 (vLLM 0.11)
+            # leaves a reference cycle around each saved storage, which only
+            # the cyclic collector breaks: without this, arenas piled up
+            # between collections (measured: 128 MiB held until gc.collect()).
+            del results
+            gc.collect()
             if bar is not None:
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
