@@ -11,12 +11,15 @@ References:
   (one prompt per forward, no padding).  That is speculators' contract
   (HF ``hidden_states[k + 1]``, except that for the last layer HF's tuple
   holds the normed state and the hook holds the pre-norm one).
-* :func:`vllm_layer_outputs`: vLLM's own unpatched forward, hooks on the
-  decoder layers through ``LLM.apply_model``, one prompt per step.
+* :func:`vllm_layer_outputs`: vLLM's own unpatched engine, its model's own
+  forward stopped after layer ``k`` (``end_layer``, final norm replaced; see
+  :class:`VllmReference`), one prompt per step.  Shares no code with the
+  capture in ``eagle3_compat.worker``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Sequence
@@ -243,31 +246,183 @@ def hf_layer_outputs(
     return out
 
 
-def _vllm_hook_setup(model: Any, layer_ids: list[int]) -> None:  # runs in the worker
-    from eagle3_compat.worker import _decoder_layers, _layer_output  # noqa: PLC0415
+# Reference (2) runs vLLM's own model with nothing of the capture in it.  The
+# two functions below run in the reference engine's worker (LLM.apply_model);
+# they import nothing from eagle3_compat, hook no decoder layer and never sum
+# a layer's (hidden, residual) pair themselves.
 
-    _, layers = _decoder_layers(model)
-    store: list[dict[int, Any]] = []
-    model._e3c_ref_store = store
 
-    def hook(k):
-        def fn(_m, _a, out):
-            if getattr(model, "_e3c_ref_on", False):
-                store[-1][k] = _layer_output(out).detach().to("cpu", copy=True)
+def _ref_base_model(model: Any) -> Any:  # runs in the worker
+    """The one module of ``model`` that runs the decoder stack: vLLM's
+    ``*Model`` class (LlamaModel, Qwen2Model, Qwen3MoeModel, Olmo2Model,
+    DeepseekV2Model, ...), recognised by what its ``forward`` uses on vLLM
+    0.11 to 0.16: ``islice(self.layers, self.start_layer, self.end_layer)``,
+    then ``self.norm``.  Found by a search of the module tree (not through
+    ``get_language_model``), and refused loudly when it is not unique or not
+    the whole stack."""
+    import torch  # noqa: PLC0415
 
-        return fn
+    found = [
+        m for m in model.modules()
+        if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)
+        and all(hasattr(m, a) for a in ("norm", "start_layer", "end_layer"))
+    ]
+    if len(found) != 1:
+        raise RuntimeError(
+            f"vLLM reference: expected exactly one module with layers (ModuleList), norm, "
+            f"start_layer and end_layer in {type(model).__name__}, found "
+            f"{[type(m).__name__ for m in found]}; this model is not supported by the reference"
+        )
+    base = found[0]
+    if (base.start_layer, base.end_layer) != (0, len(base.layers)):
+        raise RuntimeError(
+            f"vLLM reference: {type(base).__name__} runs layers {base.start_layer}..{base.end_layer} "
+            f"of {len(base.layers)} (pipeline parallel, or already truncated); not supported"
+        )
+    return base
 
-    model._e3c_ref_handles = [layers[k].register_forward_hook(hook(k)) for k in layer_ids]
+
+def _ref_truncate(model: Any, k: int) -> None:  # runs in the worker
+    """Make the model's own forward stop after decoder layer ``k`` and return
+    that layer's output instead of the final norm of the last layer's.
+
+    * ``end_layer = k + 1``: the model's own loop runs layers ``0..k``; the
+      layers after ``k`` are swapped for modules that raise if called, so a
+      model that ignores ``end_layer`` fails instead of running them.
+    * the final ``norm`` is replaced by a module returning what that norm
+      would have normalised.  Called as ``norm(hidden, residual)`` (vLLM's
+      layers return a pair, the residual add fused into the next norm) it
+      calls the original ``RMSNorm`` and returns its second result, the
+      residual *after* the fused add: vLLM's own kernel computes the sum.
+      Called with one tensor (Olmo2's layers return their output whole), it
+      returns that tensor.
+    * the top-level model's returned tensor (what the runner gets) is
+      recorded, and checked to be the very tensor that module returned: a
+      model doing anything after its final norm, or a compiled graph that
+      does not run the replaced modules, is an error, not a silent result.
+    """
+    import torch  # noqa: PLC0415
+
+    if getattr(model, "_e3c_ref_undo", None) is not None:
+        raise RuntimeError("vLLM reference: the model is already truncated")
+    base = _ref_base_model(model)
+    n = len(base.layers)
+    if not 0 <= k < n:
+        raise ValueError(f"layer id {k} out of range for {n} decoder layers")
+    rec: dict[str, Any] = {"pre_norm": None, "outputs": []}
+    final_norm = base.norm
+
+    class PreNorm(torch.nn.Module):
+        def forward(self, x: Any, residual: Any = None) -> Any:
+            if residual is None:
+                rec["pre_norm"] = x
+                return x
+            _, summed = final_norm(x, residual)
+            rec["pre_norm"] = summed
+            return summed, summed
+
+    class NotRun(torch.nn.Module):
+        def __init__(self, j: int) -> None:
+            super().__init__()
+            self.j = j
+
+        def forward(self, *_a: Any, **_kw: Any) -> Any:
+            raise RuntimeError(
+                f"vLLM reference: decoder layer {self.j} ran although end_layer = {k + 1}: "
+                "this model's forward does not stop at end_layer"
+            )
+
+    def on_output(_m: Any, _args: Any, out: Any) -> None:
+        same = out is not None and out is rec["pre_norm"]
+        rows = out.detach().to("cpu", copy=True) if isinstance(out, torch.Tensor) else None
+        rec["outputs"].append((same, rows, type(out).__name__))
+        rec["pre_norm"] = None
+
+    tail = {j: base.layers[j] for j in range(k + 1, n)}
+    end = base.end_layer
+    handle = model.register_forward_hook(on_output)
+    base.norm = PreNorm()
+    base.end_layer = k + 1
+    for j in tail:
+        base.layers[j] = NotRun(j)
+    model._e3c_ref_undo = (base, final_norm, end, tail, handle, rec)
+
+
+def _ref_restore(model: Any) -> bytes:  # runs in the worker
+    """Undo :func:`_ref_truncate`; the model's outputs recorded meanwhile, as
+    ``torch.save`` bytes (``collective_rpc``'s msgpack would hand tensors
+    nested in a list back as raw buffers); read them with :func:`_ref_load`."""
+    import io  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    undo = getattr(model, "_e3c_ref_undo", None)
+    if undo is None:
+        raise RuntimeError("vLLM reference: the model is not truncated")
+    base, final_norm, end, tail, handle, rec = undo
+    handle.remove()
+    base.norm = final_norm
+    base.end_layer = end
+    for j, layer in tail.items():
+        base.layers[j] = layer
+    model._e3c_ref_undo = None
+    buf = io.BytesIO()
+    torch.save([list(o) for o in rec["outputs"]], buf)
+    return buf.getvalue()
+
+
+def _ref_load(data: bytes) -> list[tuple[bool, Any, str]]:
+    import io  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    return [tuple(o) for o in torch.load(io.BytesIO(data), weights_only=True)]
+
+
+def _ref_rows(outputs: list[tuple[bool, Any, str]], prompts: Sequence[Sequence[int]], k: int) -> list[Any]:
+    if len(outputs) != len(prompts):
+        raise RuntimeError(
+            f"vLLM reference, layer {k}: {len(outputs)} forwards for {len(prompts)} prompts "
+            "(expected one prefill step per prompt)"
+        )
+    rows = []
+    for i, ((same, out, kind), p) in enumerate(zip(outputs, prompts)):
+        if not same:
+            raise RuntimeError(
+                f"vLLM reference, layer {k}, prompt {i}: the model returned a {kind} that is not "
+                "what its final norm returned (the model does something after its final norm, "
+                "or the replaced norm did not run)"
+            )
+        if out.dim() != 2 or out.shape[0] < len(p):
+            raise RuntimeError(
+                f"vLLM reference, layer {k}, prompt {i}: model output of shape {tuple(out.shape)} "
+                f"for {len(p)} tokens"
+            )
+        rows.append(out[: len(p)])
+    return rows
 
 
 class VllmReference:
     """vLLM's own, unpatched engine as a reference (reference (2)); one engine start.
 
-    ``layer_outputs`` reads decoder-layer outputs through forward hooks
-    installed with ``LLM.apply_model``, one prompt per step;
+    ``layer_outputs`` obtains the output of decoder layer ``k`` as what the
+    model itself returns when its own forward is stopped after layer ``k``
+    (:func:`_ref_truncate`: ``end_layer = k + 1``, the final norm replaced by
+    a module that returns the state the norm would have normalised), one
+    prompt per step.  That is independent of the capture under test
+    (``eagle3_compat.worker``): nothing of it is imported or copied, no
+    decoder layer is hooked, the layers are found by another route, and the
+    ``hidden + residual`` sum comes from vLLM's own fused-add ``RMSNorm``
+    (the engine worker never even imports ``eagle3_compat.worker``;
+    ``tests/test_reference_independent.py`` checks that, and that breaking
+    the capture's helpers changes nothing here).  It relies only on vLLM's
+    base-model ``forward`` (``islice(self.layers, self.start_layer,
+    self.end_layer)``, then ``self.norm``; the same on 0.11 to 0.16) and
+    fails loudly where that does not hold.
+
     ``batching_drift`` measures how much vLLM's own prompt log-probabilities
-    depend on batching.  Both may run on the same engine (the hooks record
-    only inside ``layer_outputs``).  Use as a context manager.
+    depend on batching.  Both may run on the same engine (the model is
+    truncated only inside ``layer_outputs``).  Use as a context manager.
     """
 
     def __init__(self, model_path: str | Path, max_len: int, dtype: str = "float32") -> None:
@@ -278,7 +433,6 @@ class VllmReference:
         # call, the engine when it is spawned); close() restores it.
         self._saved_env = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        self._hooked: list[int] | None = None
         self.llm: Any = None
         try:
             self.llm = LLM(
@@ -296,32 +450,24 @@ class VllmReference:
             raise
 
     def layer_outputs(self, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int]) -> list[list[Any]]:
-        """Per prompt, per layer id: the decoder layer's output rows, one prompt per step."""
+        """Per prompt, per layer id: the decoder layer's output rows, one prompt per step
+        (one truncated forward per prompt and distinct layer id)."""
         from vllm import SamplingParams  # noqa: PLC0415
 
         ids = list(layer_ids)
-        if self._hooked is None:
-            self.llm.apply_model(lambda m: _vllm_hook_setup(m, ids))
-            self._hooked = ids
-        elif self._hooked != ids:
-            raise ValueError(f"this reference engine hooks layers {self._hooked}, not {ids}")
-        out = []
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        for p in prompts:
-            def start(m):
-                m._e3c_ref_store.append({})
-                m._e3c_ref_on = True
-
-            self.llm.apply_model(start)
-            self.llm.generate([{"prompt_token_ids": list(p)}], params, use_tqdm=False)
-
-            def stop(m):
-                m._e3c_ref_on = False
-                return m._e3c_ref_store.pop()
-
-            got = self.llm.apply_model(stop)[0]
-            out.append([got[k][: len(p)] for k in ids])
-        return out
+        by_layer: dict[int, list[Any]] = {}
+        for k in dict.fromkeys(ids):
+            self.llm.apply_model(lambda m, k=k: _ref_truncate(m, k))
+            try:
+                for p in prompts:
+                    self.llm.generate([{"prompt_token_ids": list(p)}], params, use_tqdm=False)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the first error is the one to see
+                    self.llm.apply_model(_ref_restore)
+                raise
+            by_layer[k] = _ref_rows(_ref_load(self.llm.apply_model(_ref_restore)[0]), prompts, k)
+        return [[by_layer[k][i] for k in ids] for i in range(len(prompts))]
 
     def batching_drift(self, prompts: Sequence[Sequence[int]]) -> float:
         """Largest difference (nats) between vLLM's prompt log-probabilities when
@@ -365,7 +511,8 @@ def vllm_layer_outputs(
     layer_ids: Sequence[int],
     dtype: str = "float32",
 ) -> list[list[Any]]:
-    """Reference (2): vLLM's own forward, hooks via ``LLM.apply_model``, one prompt per step."""
+    """Reference (2): vLLM's own forward stopped after each layer id, one prompt per step
+    (see :class:`VllmReference`)."""
     with VllmReference(model_path, max(len(p) for p in prompts), dtype) as ref:
         return ref.layer_outputs(prompts, layer_ids)
 
