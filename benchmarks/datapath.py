@@ -15,7 +15,7 @@ the user's process, two ways, side by side in one run:
 ``arena``
     the library's path: :class:`eagle3_compat.arena.DriverArena` (shared
     memory), the worker's real per-step code (``_Call.process``: slicing,
-    offload, writes at each row's place), the real ``e3c_fetch`` (metadata
+    offload, writes at each row's place), the real ``e3c_take`` (metadata
     only), and the driver's real ``collect_results`` (checks, one mapping
     per prompt, finiteness);
 ``rpc``
@@ -92,7 +92,8 @@ class BenchExtension(CaptureWorkerExtension):
         from eagle3_compat.worker import _Step
 
         self._bench_call = call
-        armed = self.e3c_arm(call, lengths, spec)
+        self.e3c_arm(call)
+        armed = self.e3c_add(call, 0, [[i, n] for i, n in enumerate(lengths)], spec)
         state = self._e3c_call
         for req, cnt, pos, tok in self._bench_steps(lengths):
             n = len(pos)
@@ -104,7 +105,7 @@ class BenchExtension(CaptureWorkerExtension):
                 # the hook's rows: hidden + residual, a tensor the capture made
                 step.layers[s] = off.submit(s, rows[:n], owned=True)
             off.run(lambda step=step, layout=StepLayout(tuple(req), tuple(cnt)): state.process(step, layout, LAYERS))
-        reply = self.e3c_fetch(call)
+        reply = self.e3c_take(call, 0)
         reply["armed"] = armed
         return reply
 

@@ -31,7 +31,7 @@ MUTANTS = {
     # -- worker side: attribution of a step's rows ------------------------------
     "positions-not-checked-consecutive": (
         capture, "if first < 0 or pos[:hi] != list(range(first, first + hi)):", "if first < 0:"),
-    "unknown-prompt-index-not-checked": (capture, "if index >= len(self.lengths):", "if False:"),
+    "unknown-prompt-index-not-checked": (capture, "                if plen is None:\n", "                if False:\n"),
     "layer-row-count-not-checked": (capture, "if rows < total:", "if False:"),
     "position-count-not-checked": (capture, "if len(positions) < total:", "if False:"),
     "token-count-not-checked": (capture, "if token_ids is not None and len(token_ids) < total:", "if False:"),

@@ -57,15 +57,17 @@ def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_m
     n = _write_input(inp)
     out = tmp_path / "out"
     args = ["generate", "--model", str(model), "--input", str(inp), "--output", str(out),
-            "--layer-ids", "0,2,5", "--max-model-len", "128", "--batch-size", "2", "--dtype", "float32"]
-    # first run: killed as soon as the first samples are on disk
+            "--layer-ids", "0,2,5", "--max-model-len", "128", "--batch-size", "2", "--max-in-flight", "1",
+            "--dtype", "float32"]
+    # first run: killed as soon as the first samples are on disk (one prompt
+    # in flight: the samples arrive one by one)
     log = tmp_path / "first-run.log"
     with log.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "eagle3_compat", *args], stdout=f, stderr=f,
                                 start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not list(out.glob("sample_*.pt")) and proc.poll() is None:
-        time.sleep(0.1)
+        time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     first = {p.name: p.stat().st_mtime_ns for p in out.glob("sample_*.pt")}

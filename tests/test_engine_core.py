@@ -253,3 +253,42 @@ def test_matches_vllm_own_forward(gen, llama):
     wrong = pick([4, 1, 3])
     with pytest.raises(AssertionError):
         compare(results, wrong, prompts, LAYERS, 1e-5)
+
+
+def test_stream_keeps_the_engine_fed_and_matches_the_reference(gen, llama):
+    """stream(): every prompt once, each as generate() gives it (HF float32
+    reference), admission bounded by max_in_flight, the input read lazily."""
+    prompts = mixed_prompts(23, 700, seed=9)
+    pulled = [0]
+
+    def source():
+        for p in prompts:
+            pulled[0] += 1
+            yield p
+
+    got = {}
+    for k, sample in gen.stream(source(), max_in_flight=5):
+        assert k not in got
+        assert pulled[0] - len(got) <= 5  # never more than 5 prompts in flight
+        got[k] = sample
+    assert sorted(got) == list(range(len(prompts)))
+    ordered = [got[i] for i in range(len(prompts))]
+    assert [r["input_ids"].tolist() for r in ordered] == prompts
+    _check(ordered, llama, prompts, LAYERS, F32_TOL)
+    assert _shm_names() == []
+    assert gen.llm.collective_rpc("e3c_memory")[0]["call_open"] is False
+
+
+def test_stream_stopped_early_or_fed_a_bad_prompt_leaves_the_generator_sound(gen, llama):
+    prompts = mixed_prompts(12, 300, seed=10)
+    it = gen.stream(iter(prompts), max_in_flight=4)
+    first = [next(it), next(it)]
+    it.close()  # the consumer stops: in-flight requests are aborted, arenas given back
+    assert _shm_names() == []
+    assert all(len(s["hidden_states"]) == len(LAYERS) for _k, s in first)
+    bad = prompts[:3] + [[5, "x"]] + prompts[3:5]
+    with pytest.raises(ValueError, match="prompt 3: token ids must be ints"):
+        for _ in gen.stream(iter(bad), max_in_flight=2):
+            pass
+    assert _shm_names() == []
+    _check(gen.generate(prompts[:4]), llama, prompts[:4], LAYERS, F32_TOL)

@@ -160,7 +160,7 @@ def test_killed_engine_is_a_clear_error_and_leaves_no_processes(model, gen):
 
 
 def test_keyboard_interrupt_then_close_twice_leaves_no_engine_processes(model, gen, monkeypatch):
-    """Ctrl-C inside generate() (here while the worker maps the call's arena,
+    """Ctrl-C inside generate() (here while the worker maps the prompts' arena,
     the one moment its name exists in /dev/shm) removes the arena and shuts
     the engine down by itself; the context
     manager's exit, close() and __del__ after that are harmless, and the
@@ -177,8 +177,8 @@ def test_keyboard_interrupt_then_close_twice_leaves_no_engine_processes(model, g
         rpc = driver._rpc
 
         def interrupted_in_arm(self, method, *args):
-            if method == "e3c_arm":  # the arena's name exists until the worker has mapped it
-                assert shm_names(), "the arena should exist during the arm RPC"
+            if method == "e3c_add":  # the arena's name exists until the worker has mapped it
+                assert shm_names(), "the arena should exist during the e3c_add RPC"
                 raise KeyboardInterrupt
             return rpc(self, method, *args)
 

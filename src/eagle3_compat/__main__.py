@@ -66,6 +66,7 @@ def _generate(args: argparse.Namespace) -> int:
         layer_ids=layer_ids,
         max_model_len=args.max_model_len,
         batch_size=args.batch_size,
+        max_in_flight=args.max_in_flight,
         tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype,
         capture=args.capture,
@@ -167,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--output", required=True, help="output folder (resumable)")
     g.add_argument("--layer-ids", default=None, help="comma-separated decoder layer ids (default: 0.3.0's)")
     g.add_argument("--max-model-len", type=int, default=2048)
-    g.add_argument("--batch-size", type=int, default=64, help="prompts per generate() call")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="accepted for compatibility; unused: the job streams (see --max-in-flight)")
+    g.add_argument("--max-in-flight", type=int, default=64,
+                   help="prompts in the engine at once; a new one is admitted as soon as one finishes "
+                        "(memory is bounded by this, whatever the input's length)")
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.add_argument("--dtype", default=None, choices=[None, "auto", "float32", "bfloat16", "float16"])
     g.add_argument("--capture", default="layer_output", choices=["layer_output", "layer_input"],

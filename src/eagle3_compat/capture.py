@@ -27,7 +27,7 @@ a silently shifted row.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,13 +121,15 @@ class StepSlicer:
     """Worker-side: attributes the rows of one ``generate()`` call's steps.
 
     ``call`` is the call id the driver armed the capture with and
-    ``lengths`` its prompts' token counts; requests of other calls (or not
-    made by us) are skipped and counted, so stale rows can never reach a
-    result.  ``segments`` accumulates every run attributed so far.
+    ``lengths`` its prompts' token counts (a sequence indexed by prompt, or
+    a mapping prompt index -> count that grows as a stream admits prompts);
+    requests of other calls (or not made by us) are skipped and counted, so
+    stale rows can never reach a result.  ``segments`` accumulates every
+    run attributed so far.
     """
 
     call: int
-    lengths: Sequence[int]
+    lengths: Sequence[int] | Mapping[int, int]
     segments: list[Segment] = field(default_factory=list)
     foreign_rows: int = 0
     steps: int = 0
@@ -172,13 +174,13 @@ class StepSlicer:
                 self.foreign_rows += n
             elif n:
                 index = parsed[1]
-                if index >= len(self.lengths):
+                plen = self._length(index)
+                if plen is None:
                     raise CaptureError(
-                        f"step {self.steps}: request {req_id!r} names prompt {index}, but call "
-                        f"{self.call} sent {len(self.lengths)} prompts"
+                        f"step {self.steps}: request {req_id!r} names prompt {index}, which call "
+                        f"{self.call} has not sent (or has already collected)"
                     )
                 pos = [int(p) for p in positions[start:end]]
-                plen = self.lengths[index]
                 # Keep the prefix of the run that lies inside the prompt.
                 hi = len(pos)
                 while hi and pos[hi - 1] >= plen:
@@ -206,6 +208,12 @@ class StepSlicer:
         self.steps += 1
         self.segments.extend(out)
         return out
+
+
+    def _length(self, index: int) -> int | None:
+        if isinstance(self.lengths, Mapping):
+            return self.lengths.get(index)
+        return self.lengths[index] if 0 <= index < len(self.lengths) else None
 
 
 def rank0_reply(reply: Any) -> Any:

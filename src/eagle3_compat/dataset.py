@@ -14,6 +14,7 @@ Each sample is validated (rows equal tokens, finite) before it is written.
 from __future__ import annotations
 
 import gc
+from collections import deque
 
 import json
 import os
@@ -92,8 +93,8 @@ def read_jsonl(path: Path, tokenizer: Any, max_length: int) -> Iterator[Sample]:
 
 
 def _validate(result: dict[str, Any], sample: Sample, layer_ids: Sequence[int]) -> None:
-    from .generator import _all_finite  # noqa: PLC0415
-
+    # Finiteness, rows, positions and token ids were checked by the generator
+    # (CaptureError); this guards the file's shape against the manifest.
     n = len(result["input_ids"])
     states = result["hidden_states"]
     if len(states) != len(layer_ids):
@@ -101,8 +102,6 @@ def _validate(result: dict[str, Any], sample: Sample, layer_ids: Sequence[int]) 
     for k, h in zip(layer_ids, states):
         if h.dim() != 2 or h.shape[0] != n:
             raise RuntimeError(f"sample {sample.index}, layer {k}: shape {tuple(h.shape)} for {n} tokens")
-        if not _all_finite(h):
-            raise RuntimeError(f"sample {sample.index}, layer {k}: non-finite values")
 
 
 # A sample is written to ".<name>.<writer pid>.tmp" and renamed into place
@@ -170,22 +169,76 @@ def _check_same_settings(output: Path, settings: dict[str, Any]) -> None:
         )
 
 
+GC_EVERY_BYTES = 1 << 30
+
+
+class _Writer:
+    """Writes samples on a thread, atomically, at most ``max_queued`` waiting.
+
+    The engine goes on while a sample is written; the queue's bound keeps
+    memory bounded when the disk is slower than extraction.  A failed write
+    is raised at the next submit or at exit, never dropped.
+    """
+
+    def __init__(self, max_queued: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="e3c-writer")
+        self._queued: deque = deque()
+        self._max = max(1, max_queued)
+        self._since_gc = 0  # touched by the writer thread only
+
+    def submit(self, path: Path, obj: dict[str, Any]) -> None:
+        while len(self._queued) >= self._max:
+            self._queued.popleft().result()
+        self._queued.append(self._pool.submit(self._write, path, obj))
+
+    def _write(self, path: Path, obj: dict[str, Any]) -> None:
+        _write_atomic(path, obj)
+        # The sample's states are views of its shared-memory arena, returned
+        # when the tensors go.  torch.save on torch 2.8 (vLLM 0.11) leaves a
+        # reference cycle around each saved storage that only the cyclic
+        # collector breaks (measured: 128 MiB held until gc.collect()); a
+        # collection per GiB written bounds what such cycles can hold.
+        self._since_gc += sum(t.numel() * t.element_size() for t in obj["hidden_states"])
+        del obj
+        if self._since_gc >= GC_EVERY_BYTES:
+            self._since_gc = 0
+            gc.collect()
+
+    def __enter__(self) -> _Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            while self._queued:
+                self._queued.popleft().result()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
 def run_generate(
     model: str,
     input_path: Path,
     output: Path,
     layer_ids: list[int] | None,
     max_model_len: int,
-    batch_size: int,
+    batch_size: int | None,
     tensor_parallel_size: int,
     dtype: str | None,
     capture: str = "layer_output",
+    max_in_flight: int = 64,
 ) -> dict[str, Any]:
     """Write one v1 training file per input line; resumable; returns the manifest.
 
     A folder is tied to its settings (model, layer ids, capture point,
     max_model_len, dtype): resuming with different ones is an error, never a
     folder of mixed samples.
+
+    The job streams: at most ``max_in_flight`` prompts are in the engine, a
+    new one is admitted as soon as one finishes, and each sample is written
+    (atomically, by a writer thread) as its request finishes.
+    ``batch_size`` is accepted for compatibility and no longer used.
     """
     early = {"model": model, "capture": capture, "max_model_len": max_model_len, "dtype": dtype}
     if layer_ids is not None:
@@ -206,32 +259,42 @@ def run_generate(
     output.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(output)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    samples = list(read_jsonl(input_path, tokenizer, max_model_len - 1))
-    todo = [s for s in samples if not sample_path(output, s.index).exists()]
-    log.info("%d samples, %d already written, %d to do", len(samples), len(samples) - len(todo), len(todo))
+    # Read, tokenize and extract as one stream: memory is bounded by the
+    # prompts in flight and the writes queued, whatever the file's length.
+    counts = {"seen": 0, "todo": 0}
+    pending: dict[int, Sample] = {}
+
+    def prompts() -> Iterator[list[int]]:
+        for sample in read_jsonl(input_path, tokenizer, max_model_len - 1):
+            counts["seen"] += 1
+            if sample_path(output, sample.index).exists():
+                continue
+            pending[counts["todo"]] = sample
+            counts["todo"] += 1
+            yield sample.input_ids
+
     tokens = 0
     t0 = time.perf_counter()
     with VllmHiddenStatesGenerator(
         model, layer_ids=layer_ids, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
         capture=capture,
     ) as gen:
-        layer_ids = list(gen.layer_ids)
-        settings = {**early, "layer_ids": layer_ids}  # with the resolved default layers
+        layer_ids = gen.layer_ids
+        settings = {**early, "layer_ids": layer_ids}
         _check_same_settings(output, settings)
         (output / MANIFEST).write_text(json.dumps({**settings, "complete": False}, indent=1) + "\n")
         try:
             from tqdm import tqdm  # noqa: PLC0415
 
-            bar = tqdm(total=len(todo), unit="sample", desc="extracting")
+            bar = tqdm(unit="sample", desc="extracting")
         except ImportError:  # pragma: no cover
             bar = None
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
-            results = gen.generate([s.input_ids for s in batch])
-            for sample, res in zip(batch, results):
+        with _Writer(max_queued=max_in_flight) as writer:
+            for k, res in gen.stream(prompts(), max_in_flight=max_in_flight):
+                sample = pending.pop(k)
                 _validate(res, sample, layer_ids)
                 n = len(res["input_ids"])  # may be truncated to max_model_len - 1
-                _write_atomic(
+                writer.submit(
                     sample_path(output, sample.index),
                     {
                         "input_ids": res["input_ids"],
@@ -239,27 +302,22 @@ def run_generate(
                         "hidden_states": res["hidden_states"],
                     },
                 )
+                del res
                 tokens += n
-            # The batch's states are views of its shared-memory arena; they go
-            # back when the tensors do.  torch.save on torch 2.8 (vLLM 0.11)
-            # leaves a reference cycle around each saved storage, which only
-            # the cyclic collector breaks: without this, arenas piled up
-            # between collections (measured: 128 MiB held until gc.collect()).
-            del results
-            gc.collect()
-            if bar is not None:
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         if bar is not None:
             bar.close()
+    log.info("%d samples, %d written now", counts["seen"], counts["todo"])
     found = eagle3_compat.status().found
     manifest = {
         "format": "speculators-eagle3-v1",
         **settings,
         "complete": True,
         "layer_convention": CONVENTIONS[capture],
-        "samples": len(samples),
-        "written_this_run": len(todo),
+        "samples": counts["seen"],
+        "written_this_run": counts["todo"],
         "tokens_this_run": tokens,
         "seconds_this_run": round(time.perf_counter() - t0, 3),
         "max_model_len": max_model_len,

@@ -23,11 +23,11 @@ from __future__ import annotations
 import queue
 import threading
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from .arena import DriverArena, layout_for, tensors_from_payload, transport_choice
-from .capture import CaptureError, check_segments, make_request_id, rank0_reply
+from .capture import CaptureError, check_segments, make_request_id, parse_request_id, rank0_reply
 from .logs import get_logger
 from .worker import CAPTURE_POINTS, WORKER_EXTENSION
 
@@ -249,25 +249,16 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
     engine = self.llm.llm_engine
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     req_ids = [make_request_id(call, i) for i in range(len(prompts))]
-    info = self._e3c_worker_info
-    dtype_name = str(info["dtype"]).removeprefix("torch.")
-    layout = layout_for([len(p) for p in prompts], len(self.layer_ids), info["hidden_size"], dtype_name)
-    transport = transport_choice()
+    layout = _layout(self, prompts)
     arena = None
     try:
-        if transport != "rpc" and DriverArena.available():
-            arena = self._e3c_arena = DriverArena(layout)
-        spec = None if arena is None else dict(arena.spec(), required=transport == "shm")
-        armed = rank0_reply(_rpc(self, "e3c_arm", call, [len(p) for p in prompts], spec))
-        if arena is not None:
-            arena.unlink()  # the worker has it mapped (or said why not)
-            if armed["transport"] != "shm":
-                _warn_rpc_once(self, armed["why"])
+        _rpc(self, "e3c_arm", call)
+        arena = _add_group(self, call, 0, list(enumerate(map(len, prompts))), layout)
         for rid, ids in zip(req_ids, prompts):
             engine.add_request(rid, {"prompt_token_ids": ids}, params)
         while engine.has_unfinished_requests():
             engine.step()
-        captured = rank0_reply(_rpc(self, "e3c_fetch", call))
+        captured = rank0_reply(_rpc(self, "e3c_take", call, 0))
     except Exception as exc:
         _discard_arena(self)
         if isinstance(exc, EngineDiedError) or _died(self, exc):
@@ -303,6 +294,98 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
     ]
 
 
+def generator_stream(
+    self: Any, token_ids: Iterable[Any], max_in_flight: int = 2 * MAX_NUM_SEQS
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Extract prompts as the engine finishes them: ``(index, sample)`` pairs.
+
+    An addition of eagle3_compat (speculators 0.3.0 has no such method).
+    ``token_ids`` is any iterable of prompts (read lazily); at most
+    ``max_in_flight`` of them are in the engine at once, and a new one is
+    admitted as soon as one finishes, so the engine stays full across what
+    would be call boundaries and memory is bounded by the prompts in
+    flight, whatever the length of the input.  Samples come out in the order
+    they finish; ``index`` is the prompt's position in the input.  Each
+    sample is what :meth:`generate` gives for that prompt, checked the same
+    way; its tensors are views of the prompt's own shared-memory arena,
+    returned to the system when they are released.
+    """
+    import torch  # noqa: PLC0415
+    from vllm import SamplingParams  # noqa: PLC0415
+
+    if getattr(self, "_e3c_closed", True):
+        raise RuntimeError("this VllmHiddenStatesGenerator is closed")
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
+    call = self._request_counter
+    self._request_counter += 1
+    engine = self.llm.llm_engine
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    max_len = self._e3c_max_model_len - 1
+    source = enumerate(token_ids)
+    in_flight: dict[int, tuple[list[int], Any, Any]] = {}  # index -> (prompt, layout, arena)
+    exhausted = False
+    try:
+        _rpc(self, "e3c_arm", call)
+        while True:
+            while not exhausted and len(in_flight) < max_in_flight:
+                try:
+                    index, ids = next(source)
+                except StopIteration:
+                    exhausted = True
+                    break
+                try:
+                    (prompt,) = _as_prompt_list([ids], self._e3c_vocab_size)
+                except ValueError as exc:
+                    raise ValueError(str(exc).replace("prompt 0", f"prompt {index}", 1)) from None
+                if len(prompt) > max_len:
+                    log.warning(
+                        "truncating prompt %d from %d to max_model_len - 1 = %d tokens",
+                        index, len(prompt), max_len,
+                    )
+                    prompt = prompt[:max_len]
+                layout = _layout(self, [prompt])
+                arena = _add_group(self, call, index, [(index, len(prompt))], layout)
+                self.__dict__.pop("_e3c_arena", None)
+                in_flight[index] = (prompt, layout, arena)
+                engine.add_request(make_request_id(call, index), {"prompt_token_ids": prompt}, params)
+            if not in_flight:
+                break
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                parsed = parse_request_id(out.request_id)
+                if parsed is None or parsed[0] != call or parsed[1] not in in_flight:
+                    raise CaptureError(f"the engine finished request {out.request_id!r}, not one of this stream's")
+                index = parsed[1]
+                prompt, layout, arena = in_flight.pop(index)
+                captured = rank0_reply(_rpc(self, "e3c_take", call, index))
+                (states,) = collect_results([prompt], self.layer_ids, layout, arena, captured, call)
+                yield index, {
+                    "input_ids": torch.as_tensor(prompt, dtype=torch.long),
+                    "hidden_states": states,
+                    "loss_mask": None,
+                }
+    except BaseException as exc:
+        for _prompt, _layout_, arena in in_flight.values():
+            if arena is not None:
+                arena.discard()
+        if isinstance(exc, GeneratorExit):  # the consumer stopped early: a clean end
+            _abort(self, [make_request_id(call, i) for i in in_flight])
+            raise
+        if isinstance(exc, Exception):
+            if isinstance(exc, EngineDiedError) or _died(self, exc):
+                generator_close(self)
+                raise EngineDiedError(
+                    "the vLLM engine of this VllmHiddenStatesGenerator died during stream() "
+                    f"({type(exc).__name__}: {exc}); the generator is closed."
+                ) from exc
+            _abort(self, [make_request_id(call, i) for i in in_flight])
+            raise
+        generator_close(self)  # KeyboardInterrupt / SystemExit
+        raise
+
+
 def collect_results(
     prompts: list[list[int]],
     layer_ids: list[int],
@@ -336,6 +419,28 @@ def collect_results(
             if not _all_finite(t):
                 raise CaptureError(f"prompt {i}, layer {layer_id}: non-finite hidden states")
     return results
+
+
+def _layout(self: Any, prompts: Sequence[Sequence[int]]) -> Any:
+    info = self._e3c_worker_info
+    dtype_name = str(info["dtype"]).removeprefix("torch.")
+    return layout_for([len(p) for p in prompts], len(self.layer_ids), info["hidden_size"], dtype_name)
+
+
+def _add_group(self: Any, call: int, group: int, prompts: list[tuple[int, int]], layout: Any) -> Any:
+    """Create the group's arena (unless the RPC path is forced), have the
+    rank-0 worker map it, remove its name; the arena, or None."""
+    transport = transport_choice()
+    arena = None
+    if transport != "rpc" and DriverArena.available():
+        arena = self._e3c_arena = DriverArena(layout)
+    spec = None if arena is None else dict(arena.spec(), required=transport == "shm")
+    armed = rank0_reply(_rpc(self, "e3c_add", call, group, [list(p) for p in prompts], spec))
+    if arena is not None:
+        arena.unlink()  # the worker has it mapped (or said why not)
+        if armed["transport"] != "shm":
+            _warn_rpc_once(self, armed["why"])
+    return arena
 
 
 def _discard_arena(self: Any) -> None:

@@ -121,24 +121,59 @@ class _Step:
                 staged.release()
 
 
-class _Call:
-    """The rank-0 worker's state for one ``generate()`` call."""
+class _Group:
+    """Prompts of a call that share one arena (all of a ``generate()`` call, or
+    one prompt of a stream); collected together by ``e3c_take``."""
 
-    def __init__(self, call: int, lengths: list[int], sink: Any, transport: str, debug: bool) -> None:
-        self.slicer = StepSlicer(call=call, lengths=lengths)
+    def __init__(self, prompts: list[list[int]], sink: Any, transport: str) -> None:
+        self.local = {int(index): i for i, (index, _n) in enumerate(prompts)}
         self.sink = sink
         self.transport = transport
+        self.segments: list[Any] = []
+
+    def close(self) -> None:
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.close()
+
+
+class _Call:
+    """The rank-0 worker's state for one ``generate()`` call or stream."""
+
+    def __init__(self, call: int, debug: bool) -> None:
+        self.slicer = StepSlicer(call=call, lengths={})
+        self.groups: dict[int, _Group] = {}
+        self.owner: dict[int, _Group] = {}  # prompt index -> its group
         self.error: str | None = None
         self.debug = debug
 
-    def process(self, step: _Step, layout: StepLayout, num_slots: int) -> None:
-        """Attribute one step's rows and write them to the arena (after their copy ended).
+    def add(self, group_id: int, prompts: list[list[int]], sink: Any, transport: str) -> None:
+        if group_id in self.groups:
+            raise CaptureError(f"group {group_id} of call {self.slicer.call} was already added")
+        group = _Group(prompts, sink, transport)
+        for index, n in prompts:
+            if index in self.owner:
+                raise CaptureError(f"prompt {index} of call {self.slicer.call} was already added")
+            self.owner[index] = group
+            self.slicer.lengths[index] = int(n)  # type: ignore[index]
+        self.groups[group_id] = group
 
-        A :class:`CaptureError` is kept and reported by ``e3c_fetch`` (the
+    def take(self, group_id: int) -> _Group:
+        group = self.groups.pop(group_id)
+        for index in group.local:
+            # Rows of a collected prompt that still arrived would be an error.
+            del self.owner[index]
+            del self.slicer.lengths[index]  # type: ignore[attr-defined]
+        return group
+
+    def process(self, step: _Step, layout: StepLayout, num_slots: int) -> None:
+        """Attribute one step's rows and write them to their arenas (after their copy ended).
+
+        A :class:`CaptureError` is kept and reported by ``e3c_take`` (the
         driver raises it); the engine goes on serving other requests.
         """
         try:
-            if self.error is not None or self.sink is None:
+            if self.error is not None:
                 return
             positions = step.positions.wait()  # type: ignore[union-attr]
             if positions.dim() == 2:  # M-RoPE: [3, tokens]
@@ -149,8 +184,11 @@ class _Call:
                 layout, positions.tolist(), token_ids, [r.shape[0] for r in rows]
             )
             for seg in segments:
+                group = self.owner[seg.index]
+                group.segments.append(seg)
+                local = group.local[seg.index]
                 for slot, r in enumerate(rows):
-                    self.sink.write(seg.index, slot, seg.start, seg.count, r[seg.src : seg.src + seg.count])
+                    group.sink.write(local, slot, seg.start, seg.count, r[seg.src : seg.src + seg.count])
             if self.debug:
                 log.warning(
                     "step %d: %d rows, requests %s, layers %s",
@@ -165,9 +203,10 @@ class _Call:
             step.release()
 
     def close(self) -> None:
-        sink, self.sink = self.sink, None
-        if sink is not None:
-            sink.close()
+        for group in self.groups.values():
+            group.close()
+        self.groups.clear()
+        self.owner.clear()
 
 
 class CaptureWorkerExtension:
@@ -325,20 +364,37 @@ class CaptureWorkerExtension:
         self._e3c_offload.run(lambda: call.process(step, layout, n))  # type: ignore[union-attr]
 
     # -- per call ---------------------------------------------------------------
-    def e3c_arm(self, call: int, lengths: list[int], arena: dict[str, Any] | None) -> Any:
-        """Start collecting rows of ``generate()`` call ``call`` (prompts of ``lengths`` tokens).
-
-        ``arena``: the driver's shared-memory file (:class:`~eagle3_compat.arena.DriverArena`
-        ``spec()``), or ``None`` for the RPC path.  Returns, on rank 0, the
-        transport in use and why; ``None`` on other ranks.
-        """
+    # A call: e3c_arm, then e3c_add for each group of prompts (with the
+    # driver's arena for it), the engine steps, e3c_take for each group once
+    # its requests have finished.  generate() adds all its prompts as one
+    # group; a stream adds and takes one prompt at a time.
+    def e3c_arm(self, call: int) -> None:
+        """Start call ``call`` (forgetting any earlier one)."""
         self.e3c_disarm()
+        if self._e3c_rank0:
+            self._e3c_call = _Call(call, self._e3c_debug)
+
+    def e3c_add(
+        self, call: int, group: int, prompts: list[list[int]], arena: dict[str, Any] | None
+    ) -> Any:
+        """Expect prompts ``[[index, length], ...]`` of call ``call`` as group ``group``.
+
+        ``arena``: the driver's shared-memory file for them
+        (:meth:`~eagle3_compat.arena.DriverArena.spec`), or ``None`` for the
+        RPC path.  Returns, on rank 0, the transport in use and why; ``None``
+        on other ranks.
+        """
         if not self._e3c_rank0:
             return None
+        state = self._e3c_call
+        if state is None or state.slicer.call != call:
+            raise RuntimeError(f"eagle3_compat: capture was not armed for call {call} in this worker")
         import torch  # noqa: PLC0415
 
         dtype = getattr(torch, self._e3c_dtype)
-        layout = layout_for(lengths, len(self._e3c_layer_ids), self._e3c_hidden, self._e3c_dtype)
+        layout = layout_for(
+            [n for _i, n in prompts], len(self._e3c_layer_ids), self._e3c_hidden, self._e3c_dtype
+        )
         why = "forced by EAGLE3_COMPAT_TRANSPORT=rpc" if arena is None else ""
         sink: Any = None
         if arena is not None:
@@ -351,40 +407,45 @@ class CaptureWorkerExtension:
                     )
             else:
                 sink = opened
-        transport = "shm"
+        transport = "shm" if sink is not None else "rpc"
         if sink is None:
-            transport = "rpc"
             sink = LocalSink(layout, dtype, self._e3c_hidden)
-        self._e3c_call = _Call(call, list(lengths), sink, transport, self._e3c_debug)
+        try:
+            state.add(group, prompts, sink, transport)
+        except CaptureError:
+            sink.close()
+            raise
         return {"transport": transport, "why": why}
 
-    def e3c_fetch(self, call: int) -> Any:
-        """Finish call ``call``: metadata (and the rows on the RPC path); ``None`` off rank 0."""
-        state, self._e3c_call = self._e3c_call, None
+    def e3c_take(self, call: int, group: int) -> Any:
+        """Hand over group ``group`` of call ``call``: metadata (and the rows on the
+        RPC path); ``None`` off rank 0."""
         if not self._e3c_rank0:
             return None
-        if state is None or state.slicer.call != call:
-            if state is not None:
-                state.close()
+        state = self._e3c_call
+        if state is None or state.slicer.call != call or group not in state.groups:
             raise RuntimeError(
-                f"eagle3_compat: capture was not armed for call {call} in this worker"
+                f"eagle3_compat: group {group} of call {call} is not armed in this worker"
             )
+        # The group's last rows may still be on their way (the CUDA writer thread).
+        self._e3c_offload.drain()  # type: ignore[union-attr]
+        g = state.take(group)
         try:
-            self._e3c_offload.drain()  # type: ignore[union-attr]
             reply = {
-                "transport": state.transport,
-                "segments": [s.to_wire() for s in state.slicer.segments],
+                "transport": g.transport,
+                "segments": [[g.local[s.index], s.start, s.count,
+                              None if s.token_ids is None else list(s.token_ids)] for s in g.segments],
                 "steps": state.slicer.steps,
                 "foreign_rows": state.slicer.foreign_rows,
                 "error": state.error,
                 "dtype": self._e3c_dtype,
                 "hidden_size": self._e3c_hidden,
             }
-            if state.transport == "rpc" and state.error is None:
-                reply["payload"] = state.sink.payload()
+            if g.transport == "rpc" and state.error is None:
+                reply["payload"] = g.sink.payload()
             return reply
         finally:
-            state.close()
+            g.close()
 
     def e3c_disarm(self) -> None:
         state, self._e3c_call = getattr(self, "_e3c_call", None), None
@@ -414,7 +475,7 @@ class CaptureWorkerExtension:
 
         ``trim`` first asks glibc to return freed heap pages to the system, so
         that the number reflects what is held rather than allocator caching.
-        ``call_open`` says whether this worker still holds a call's arena.
+        ``call_open`` says whether this worker still holds an arena of a call.
         """
         import ctypes  # noqa: PLC0415
         import gc  # noqa: PLC0415
@@ -432,5 +493,5 @@ class CaptureWorkerExtension:
         return {
             "rss": psutil.Process().memory_info().rss,
             "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-            "call_open": getattr(self, "_e3c_call", None) is not None,
+            "call_open": bool(getattr(self, "_e3c_call", None) and self._e3c_call.groups),
         }

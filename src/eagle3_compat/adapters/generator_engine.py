@@ -82,12 +82,15 @@ def install(journal: Journal) -> None:
     journal.set(cls, "close", g.generator_close)
     journal.set(cls, "__enter__", g.generator_enter)
     journal.set(cls, "__exit__", g.generator_exit)
+    # An addition (not in 0.3.0): extraction as prompts finish, engine kept full.
+    journal.set(cls, "stream", g.generator_stream)
 
 
 ADAPTER = Adapter(
     id=ID,
     targets=tuple(
-        f"{TARGET}.{n}" for n in ("__init__", "generate", "__del__", "close", "__enter__", "__exit__")
+        f"{TARGET}.{n}"
+        for n in ("__init__", "generate", "__del__", "close", "__enter__", "__exit__", "stream")
     ),
     vllm_min=(0, 11),
     vllm_max=(0, 16),
