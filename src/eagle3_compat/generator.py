@@ -328,7 +328,9 @@ def generator_stream(
     try:
         _rpc(self, "e3c_arm", call)
         while True:
-            while not exhausted and len(in_flight) < max_in_flight:
+            # Refill: every free slot at once, one RPC for all of them.
+            admitted: list[tuple[int, list[int]]] = []
+            while not exhausted and len(in_flight) + len(admitted) < max_in_flight:
                 try:
                     index, ids = next(source)
                 except StopIteration:
@@ -344,22 +346,27 @@ def generator_stream(
                         index, len(prompt), max_len,
                     )
                     prompt = prompt[:max_len]
-                layout = _layout(self, [prompt])
-                arena = _add_group(self, call, index, [(index, len(prompt))], layout)
-                self.__dict__.pop("_e3c_arena", None)
-                in_flight[index] = (prompt, layout, arena)
-                engine.add_request(make_request_id(call, index), {"prompt_token_ids": prompt}, params)
+                admitted.append((index, prompt))
+            if admitted:
+                for index, prompt, layout, arena in _add_groups(self, call, admitted, in_flight):
+                    engine.add_request(make_request_id(call, index), {"prompt_token_ids": prompt}, params)
             if not in_flight:
                 break
+            finished = []
             for out in engine.step():
                 if not out.finished:
                     continue
                 parsed = parse_request_id(out.request_id)
                 if parsed is None or parsed[0] != call or parsed[1] not in in_flight:
-                    raise CaptureError(f"the engine finished request {out.request_id!r}, not one of this stream's")
-                index = parsed[1]
+                    raise CaptureError(
+                        f"the engine finished request {out.request_id!r}, not one of this stream's"
+                    )
+                finished.append(parsed[1])
+            if not finished:
+                continue
+            replies = rank0_reply_list(_rpc(self, "e3c_take_many", call, finished), len(finished))
+            for index, captured in zip(finished, replies):
                 prompt, layout, arena = in_flight.pop(index)
-                captured = rank0_reply(_rpc(self, "e3c_take", call, index))
                 (states,) = collect_results([prompt], self.layer_ids, layout, arena, captured, call)
                 yield index, {
                     "input_ids": torch.as_tensor(prompt, dtype=torch.long),
@@ -367,7 +374,7 @@ def generator_stream(
                     "loss_mask": None,
                 }
     except BaseException as exc:
-        for _prompt, _layout_, arena in in_flight.values():
+        for *_, arena in in_flight.values():
             if arena is not None:
                 arena.discard()
         if isinstance(exc, GeneratorExit):  # the consumer stopped early: a clean end
@@ -441,6 +448,47 @@ def _add_group(self: Any, call: int, group: int, prompts: list[tuple[int, int]],
         if armed["transport"] != "shm":
             _warn_rpc_once(self, armed["why"])
     return arena
+
+
+def _add_groups(
+    self: Any, call: int, admitted: list[tuple[int, list[int]]], in_flight: dict[int, Any]
+) -> list[tuple[int, list[int], Any, Any]]:
+    """One group (and arena) per admitted prompt, all mapped by the worker in one
+    RPC; each enters ``in_flight`` as soon as its arena exists (so a failure
+    later in this function still gives it back)."""
+    transport = transport_choice()
+    use_shm = transport != "rpc" and DriverArena.available()
+    out, items = [], []
+    for index, prompt in admitted:
+        layout = _layout(self, [prompt])
+        arena = DriverArena(layout) if use_shm else None
+        in_flight[index] = (prompt, layout, arena)
+        spec = None if arena is None else dict(arena.spec(), required=transport == "shm")
+        items.append([index, [[index, len(prompt)]], spec])
+        out.append((index, prompt, layout, arena))
+    armed = rank0_reply_list(_rpc(self, "e3c_add_many", call, items), len(items))
+    for (*_, arena), reply in zip(out, armed):
+        if arena is not None:
+            arena.unlink()  # the worker has it mapped (or said why not)
+            if reply["transport"] != "shm":
+                _warn_rpc_once(self, reply["why"])
+    return out
+
+
+def rank0_reply_list(reply: Any, expected: int) -> list[Any]:
+    """Rank 0's list of ``expected`` replies from a ``*_many`` RPC (other ranks send None)."""
+    if (
+        isinstance(reply, list)
+        and reply
+        and isinstance(reply[0], list)
+        and all(r is None for r in reply[1:])
+        and len(reply[0]) == expected
+    ):
+        return reply[0]
+    raise CaptureError(
+        f"unexpected reply to a batched capture RPC (expected rank 0's list of {expected}): "
+        f"{type(reply).__name__} {str(reply)[:200]}"
+    )
 
 
 def _discard_arena(self: Any) -> None:

@@ -417,6 +417,16 @@ class CaptureWorkerExtension:
             raise
         return {"transport": transport, "why": why}
 
+    def e3c_add_many(self, call: int, items: list[list[Any]]) -> Any:
+        """:meth:`e3c_add` for each ``[group, prompts, arena]``, in one RPC."""
+        replies = [self.e3c_add(call, group, prompts, arena) for group, prompts, arena in items]
+        return replies if self._e3c_rank0 else None
+
+    def e3c_take_many(self, call: int, groups: list[int]) -> Any:
+        """:meth:`e3c_take` for each group, in one RPC (a step often finishes several)."""
+        replies = [self.e3c_take(call, group) for group in groups]
+        return replies if self._e3c_rank0 else None
+
     def e3c_take(self, call: int, group: int) -> Any:
         """Hand over group ``group`` of call ``call``: metadata (and the rows on the
         RPC path); ``None`` off rank 0."""

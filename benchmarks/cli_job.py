@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""The CLI job against plain vLLM prefill of the whole dataset, and its memory.
+
+For each dataset size (number of samples; the prompts of the smaller set are
+a prefix of the larger), in fresh processes:
+
+``prefill``
+    plain vLLM: one ``LLM.generate(all prompts, max_tokens=1)`` call, prefix
+    caching off, the engine settings the generator uses (the ceiling);
+``cli``
+    ``eagle3-compat generate`` on a JSONL file of the same prompts, writing
+    one file per sample (the streaming job).
+
+Both times include the engine's start (the CLI cannot be timed otherwise);
+memory is the peak proportional set size (PSS) of the process tree, sampled
+every 50 ms, minus the tree's level right after the engine started (when
+the first sample file appears, for ``cli``; when the LLM is built, for
+``prefill``).  The table gives tokens/s, cli/prefill, and the peak extra
+memory of each run; the target is cli/prefill >= 0.95 and the cli's peak
+within 10 % between the small and the large dataset.
+
+    python benchmarks/cli_job.py                      # 200 and 2000 samples (RESULTS.md)
+    python benchmarks/cli_job.py --samples 20 --quick
+
+Run it inside a test environment (``.tox/vllm016/bin/python``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+MAX_MODEL_LEN = 1024
+
+
+def tree_pss(pid: int) -> int:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
+def prefill_child(model: str, prompts_file: str) -> None:
+    """Plain vLLM; touches ``<prompts_file>.ready`` once the engine is up."""
+    from vllm import LLM, SamplingParams
+
+    prompts = json.loads(Path(prompts_file).read_text())
+    t0 = time.perf_counter()
+    llm = LLM(model=model, dtype="auto", enforce_eager=True, compilation_config=0,
+              max_model_len=MAX_MODEL_LEN, max_num_seqs=32, max_num_batched_tokens=8192,
+              enable_prefix_caching=False, seed=0)
+    Path(prompts_file + ".ready").touch()
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+    print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+
+
+def run(cmd: list[str], ready, env: dict) -> dict:
+    """Run ``cmd``; ``ready()`` says when the engine is up (memory base)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    base, peak = [None], [0]
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            m = tree_pss(proc.pid)
+            if base[0] is None and ready():
+                base[0] = m
+            peak[0] = max(peak[0], m)
+            time.sleep(0.05)
+
+    th = threading.Thread(target=watch, daemon=True)
+    t0 = time.perf_counter()
+    th.start()
+    out, _ = proc.communicate()
+    wall = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}): {out[-2000:]}")
+    return {"wall": wall, "peak": peak[0], "base": base[0] or 0, "out": out}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", default="200,2000")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        prefill_child(*args.child)
+        return 0
+    from eagle3_compat.testing import make_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="e3c-cli-bench-"))
+    model = make_tiny_model(work / "model", "llama", layers=args.layers, hidden=args.hidden)
+    sizes = [int(x) for x in args.samples.split(",")]
+    rng = random.Random(0)
+    # log-normal lengths, median ~60 tokens, 8..400
+    lengths = [min(400, max(8, int(rng.lognormvariate(4.1, 0.7)))) for _ in range(max(sizes))]
+    prompts_all = [[4 + rng.randrange(500) for _ in range(n)] for n in lengths]
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    print(f"# vLLM CPU engine, {os.cpu_count()} cores; tiny Llama hidden {args.hidden}, {args.layers} layers, "
+          f"bf16 (dtype auto); default layer ids; prompts median ~60 tokens")
+    print("| samples | tokens | prefill tok/s | cli tok/s | cli/prefill | prefill peak extra MiB | "
+          "cli peak extra MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for n in sizes:
+        prompts = prompts_all[:n]
+        tokens = sum(map(len, prompts))
+        pfile = work / f"prompts-{n}.json"
+        pfile.write_text(json.dumps(prompts))
+        jfile = work / f"prompts-{n}.jsonl"
+        jfile.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+        pre = run([sys.executable, __file__, "--child", str(model), str(pfile)],
+                  ready=lambda pfile=pfile: Path(str(pfile) + ".ready").exists(), env=env)
+        out = work / f"out-{n}"
+        cli = run([sys.executable, "-m", "eagle3_compat", "generate", "--model", str(model),
+                   "--input", str(jfile), "--output", str(out), "--max-model-len", str(MAX_MODEL_LEN)],
+                  ready=lambda out=out: any(out.glob("sample_*.pt")), env=env)
+        written = len(list(out.glob("sample_*.pt")))
+        assert written == n, (written, n)
+        pre_tps, cli_tps = tokens / pre["wall"], tokens / cli["wall"]
+        print(f"| {n} | {tokens} | {pre_tps:.0f} | {cli_tps:.0f} | {cli_tps / pre_tps:.2f} | "
+              f"{(pre['peak'] - pre['base']) / 2**20:.0f} | {(cli['peak'] - cli['base']) / 2**20:.0f} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
