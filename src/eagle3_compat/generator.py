@@ -259,20 +259,11 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
         while engine.has_unfinished_requests():
             engine.step()
         captured = rank0_reply(_rpc(self, "e3c_take", call, 0))
-    except Exception as exc:
+    except BaseException as exc:
         _discard_arena(self)
-        if isinstance(exc, EngineDiedError) or _died(self, exc):
-            generator_close(self)
-            raise EngineDiedError(
-                "the vLLM engine of this VllmHiddenStatesGenerator died during generate() "
-                f"({type(exc).__name__}: {exc}); the generator is closed. Look above for the "
-                "engine process's own error (out of memory, a killed worker, ...)."
-            ) from exc
-        _abort(self, req_ids)
-        raise
-    except BaseException:
-        # KeyboardInterrupt / SystemExit: do not leave engine processes behind.
-        generator_close(self)
+        died = _after_failure(self, exc, req_ids, "generate()")
+        if died is not None:
+            raise died from exc
         raise
     self.__dict__.pop("_e3c_arena", None)  # collect_results gives it back, whatever happens
     results = collect_results(prompts, self.layer_ids, layout, arena, captured, call)
@@ -377,20 +368,36 @@ def generator_stream(
         for *_, arena in in_flight.values():
             if arena is not None:
                 arena.discard()
-        if isinstance(exc, GeneratorExit):  # the consumer stopped early: a clean end
-            _abort(self, [make_request_id(call, i) for i in in_flight])
-            raise
-        if isinstance(exc, Exception):
-            if isinstance(exc, EngineDiedError) or _died(self, exc):
-                generator_close(self)
-                raise EngineDiedError(
-                    "the vLLM engine of this VllmHiddenStatesGenerator died during stream() "
-                    f"({type(exc).__name__}: {exc}); the generator is closed."
-                ) from exc
-            _abort(self, [make_request_id(call, i) for i in in_flight])
-            raise
-        generator_close(self)  # KeyboardInterrupt / SystemExit
+        died = _after_failure(self, exc, [make_request_id(call, i) for i in in_flight], "stream()")
+        if died is not None:
+            raise died from exc
         raise
+
+
+def _after_failure(self: Any, exc: BaseException, req_ids: list[str], where: str) -> Exception | None:
+    """Leave the generator sound after ``exc`` interrupted a call; the error to
+    raise instead of ``exc`` (an :class:`EngineDiedError`), or None.
+
+    A consumer that stops a stream (GeneratorExit) or bad input (ValueError)
+    aborts the call's requests; KeyboardInterrupt / SystemExit shut the
+    engine down (no engine processes left behind); anything else is checked
+    for a dead engine, which closes the generator.
+    """
+    if isinstance(exc, (GeneratorExit, ValueError)) and not _engine_dead(self):
+        _abort(self, req_ids)
+        return None
+    if not isinstance(exc, Exception):
+        generator_close(self)
+        return None
+    if isinstance(exc, EngineDiedError) or _died(self, exc):
+        generator_close(self)
+        return EngineDiedError(
+            f"the vLLM engine of this VllmHiddenStatesGenerator died during {where} "
+            f"({type(exc).__name__}: {exc}); the generator is closed. Look above for the "
+            "engine process's own error (out of memory, a killed worker, ...)."
+        )
+    _abort(self, req_ids)
+    return None
 
 
 def collect_results(
