@@ -6,10 +6,13 @@ have normalised; it shares no code with ``eagle3_compat.worker``.  Here:
 
 * on toy modules shaped like vLLM's base models (torch only, no engine):
   the truncation returns layer ``k``'s output, restores the model, and fails
-  loudly where a model does not follow that shape;
+  loudly where a model does not follow that shape; the worker's record is
+  read strictly; the worker functions travel by value (a worker importing
+  another version of the module from disk cannot run instead);
 * on the real engine (one reference engine start): the reference agrees with
   Hugging Face float32 (the other, independent reference) at 1e-4, the engine
-  worker never imports ``eagle3_compat.worker``, and breaking the capture's
+  worker never imports ``eagle3_compat.worker`` (nor ``eagle3_compat.testing``:
+  the reference's functions came by value), and breaking the capture's
   ``_layer_output`` (only ``hidden``, no residual) there and here leaves the
   reference's values unchanged, while the previous hook-based design, fed
   the same broken helper, moves.
@@ -134,6 +137,74 @@ def test_fails_loudly_where_the_model_is_not_shaped_as_expected():
         _ref_truncate(_Top(_Base()), 4)
 
 
+def test_worker_records_are_read_strictly():
+    """What comes back from the worker is checked for what it is before it is
+    counted: the raw bytes, another reply shape or another record format are
+    errors naming it (once seen: the bytes counted as 618653 "forwards")."""
+    import io
+
+    from eagle3_compat.testing import _ref_load, _ref_reply, _ref_restore, _ref_rows, _ref_truncate
+
+    top = _Top(_Base())
+    _ref_truncate(top, 1)
+    top(torch.randn(3, 8))
+    blob = _ref_restore(top)
+    assert len(_ref_rows(_ref_load(_ref_reply([blob])), [[0] * 3], 1)) == 1
+    with pytest.raises(RuntimeError, match="not the list _ref_load returns"):
+        _ref_rows(blob, [[0] * 3], 1)
+    with pytest.raises(RuntimeError, match="not the bytes"):
+        _ref_load([[True, torch.zeros(3, 8), "Tensor"]])
+    for other in ([torch.zeros(3, 8)], {"outputs": []}, [[1, None, "Tensor"]]):
+        buf = io.BytesIO()
+        torch.save(other, buf)
+        with pytest.raises(RuntimeError, match="not a list of"):
+            _ref_load(buf.getvalue())
+    for reply in (blob, [], [blob, blob]):
+        with pytest.raises(RuntimeError, match="apply_model replied"):
+            _ref_reply(reply)
+
+
+def test_worker_functions_travel_by_value(monkeypatch):
+    """The engine worker unpickles what apply_model sends long after the
+    driver imported eagle3_compat.testing.  Shipped by reference, it would
+    run whatever version of the module it imports then; shipped by value
+    (as VllmReference does), it runs the driver's.  Here the "worker's"
+    module is swapped for a stale one between pickling and unpickling."""
+    import contextlib
+    import functools
+
+    import cloudpickle
+
+    import eagle3_compat.testing as t
+
+    def stale(*_a, **_kw):
+        raise AssertionError("ran the worker's own (stale) copy of eagle3_compat.testing")
+
+    def ship(by_value):
+        with t._shipped_by_value() if by_value else contextlib.nullcontext():
+            payload = (cloudpickle.dumps(functools.partial(t._ref_truncate, k=2)),
+                       cloudpickle.dumps(t._ref_restore))
+        with monkeypatch.context() as m:
+            for name in ("_ref_truncate", "_ref_restore", "_ref_base_model"):
+                m.setattr(t, name, stale)
+            return [cloudpickle.loads(p) for p in payload]
+
+    torch.manual_seed(0)
+    top, x = _Top(_Base()), torch.randn(5, 8)
+    before = set(cloudpickle.list_registry_pickle_by_value())
+    arm, collect = ship(by_value=True)
+    assert set(cloudpickle.list_registry_pickle_by_value()) == before
+    with torch.no_grad():
+        arm(top)
+        top(x)
+        (rows,) = t._ref_rows(t._ref_load(collect(top)), [[0] * 5], 2)
+        assert torch.allclose(rows, _expected(top.model, x, 2), atol=1e-6)
+    # the control: by reference, the stale copy is what runs
+    arm, _ = ship(by_value=False)
+    with pytest.raises(AssertionError, match="stale"):
+        arm(top)
+
+
 # --- the real engine
 
 
@@ -156,6 +227,11 @@ def test_reference_matches_hf_and_ignores_the_capture_code(tiny_models, monkeypa
         import sys
 
         return "eagle3_compat.worker" in sys.modules
+
+    def testing_module_loaded(_m):  # the reference's functions came by value
+        import sys
+
+        return "eagle3_compat.testing" in sys.modules
 
     def break_layer_output(_m):  # in the engine worker: the brief's deliberate bug
         import eagle3_compat.worker as w
@@ -195,6 +271,7 @@ def test_reference_matches_hf_and_ignores_the_capture_code(tiny_models, monkeypa
             compare(as_results(before), [[s[1], s[2], s[3]] for s in hf], prompts, layers, 1e-4)
         # no code of the capture ran in the engine worker
         assert ref.llm.apply_model(capture_module_loaded) == [False]
+        assert ref.llm.apply_model(testing_module_loaded) == [False]
 
         # break the capture's helper where the reference runs, and here
         monkeypatch.setattr(capture_worker, "_layer_output",

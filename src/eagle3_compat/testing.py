@@ -247,9 +247,12 @@ def hf_layer_outputs(
 
 
 # Reference (2) runs vLLM's own model with nothing of the capture in it.  The
-# two functions below run in the reference engine's worker (LLM.apply_model);
-# they import nothing from eagle3_compat, hook no decoder layer and never sum
-# a layer's (hidden, residual) pair themselves.
+# functions below marked "runs in the worker" run in the reference engine's
+# worker (LLM.apply_model); they import nothing from eagle3_compat, hook no
+# decoder layer and never sum a layer's (hidden, residual) pair themselves.
+# They travel to the worker by value (:func:`_shipped_by_value`): the worker
+# runs exactly the code the driver reads its results with, never a copy of
+# this module it imports from disk itself.
 
 
 def _ref_base_model(model: Any) -> Any:  # runs in the worker
@@ -372,14 +375,77 @@ def _ref_restore(model: Any) -> bytes:  # runs in the worker
 
 
 def _ref_load(data: bytes) -> list[tuple[bool, Any, str]]:
+    """The outputs :func:`_ref_restore` recorded, from its bytes; anything else
+    (another reply shape, another record format) is an error naming what came."""
     import io  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
 
-    return [tuple(o) for o in torch.load(io.BytesIO(data), weights_only=True)]
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise RuntimeError(
+            f"vLLM reference: the worker's record is a {type(data).__name__}, not the bytes "
+            "_ref_restore returns"
+        )
+    loaded = torch.load(io.BytesIO(bytes(data)), weights_only=True)
+    if not isinstance(loaded, list) or not all(
+        isinstance(o, (list, tuple)) and len(o) == 3 and isinstance(o[0], bool)
+        and (o[1] is None or isinstance(o[1], torch.Tensor)) and isinstance(o[2], str)
+        for o in loaded
+    ):
+        raise RuntimeError(
+            "vLLM reference: the worker's record is not a list of (same, tensor, kind) entries"
+        )
+    return [tuple(o) for o in loaded]
+
+
+def _ref_reply(reply: Any) -> Any:
+    """The one worker's result from an ``apply_model`` reply (a list with one
+    entry per worker on every vLLM release; the reference engine has one)."""
+    if not isinstance(reply, list) or len(reply) != 1:
+        raise RuntimeError(
+            f"vLLM reference: apply_model replied with a {type(reply).__name__}"
+            f"{f' of {len(reply)} entries' if isinstance(reply, list) else ''}, "
+            "expected a list with the one worker's result"
+        )
+    return reply[0]
+
+
+@contextlib.contextmanager
+def _shipped_by_value() -> Any:
+    """While open, functions of this module are pickled (cloudpickle, as
+    vLLM's ``apply_model`` sends them) by value, not by reference.
+
+    By reference, the engine's worker would import ``eagle3_compat.testing``
+    from disk when it unpickles ``_ref_truncate``/``_ref_restore`` (the engine
+    process starts long after the driver imported this module): a file edited
+    meanwhile gives a worker running other code than the driver that reads its
+    record.  Seen as "vLLM reference, layer 0: 618653 forwards for 4 prompts"
+    (also 249949 for 4, 127905 for 3): exactly the lengths of the
+    ``torch.save`` bytes of those prompts' rows (hidden 256, float32), i.e.
+    the worker's bytes counted as the list of entries by a driver from
+    another version of this module.  By value, the worker runs exactly the
+    driver's code and imports nothing of eagle3_compat for it."""
+    import sys  # noqa: PLC0415
+
+    import cloudpickle  # noqa: PLC0415
+
+    module = sys.modules[__name__]
+    registered = __name__ in cloudpickle.list_registry_pickle_by_value()
+    if not registered:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        yield
+    finally:
+        if not registered:
+            cloudpickle.unregister_pickle_by_value(module)
 
 
 def _ref_rows(outputs: list[tuple[bool, Any, str]], prompts: Sequence[Sequence[int]], k: int) -> list[Any]:
+    if not isinstance(outputs, list) or not all(isinstance(o, tuple) and len(o) == 3 for o in outputs):
+        raise RuntimeError(
+            f"vLLM reference, layer {k}: the worker's record is a {type(outputs).__name__}, "
+            "not the list _ref_load returns"
+        )
     if len(outputs) != len(prompts):
         raise RuntimeError(
             f"vLLM reference, layer {k}: {len(outputs)} forwards for {len(prompts)} prompts "
@@ -415,7 +481,9 @@ class VllmReference:
     ``hidden + residual`` sum comes from vLLM's own fused-add ``RMSNorm``
     (the engine worker never even imports ``eagle3_compat.worker``;
     ``tests/test_reference_independent.py`` checks that, and that breaking
-    the capture's helpers changes nothing here).  It relies only on vLLM's
+    the capture's helpers changes nothing here).  The worker functions travel
+    by value (:func:`_shipped_by_value`), so the worker runs the driver's
+    own version of them whatever the files on disk hold by then.  It relies only on vLLM's
     base-model ``forward`` (``islice(self.layers, self.start_layer,
     self.end_layer)``, then ``self.norm``; the same on 0.11 to 0.16) and
     fails loudly where that does not hold.
@@ -458,16 +526,22 @@ class VllmReference:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         by_layer: dict[int, list[Any]] = {}
         for k in dict.fromkeys(ids):
-            self.llm.apply_model(lambda m, k=k: _ref_truncate(m, k))
+            self._apply(lambda m, k=k: _ref_truncate(m, k))
             try:
                 for p in prompts:
                     self.llm.generate([{"prompt_token_ids": list(p)}], params, use_tqdm=False)
             except BaseException:
                 with contextlib.suppress(Exception):  # the first error is the one to see
-                    self.llm.apply_model(_ref_restore)
+                    self._apply(_ref_restore)
                 raise
-            by_layer[k] = _ref_rows(_ref_load(self.llm.apply_model(_ref_restore)[0]), prompts, k)
+            by_layer[k] = _ref_rows(_ref_load(_ref_reply(self._apply(_ref_restore))), prompts, k)
         return [[by_layer[k][i] for k in ids] for i in range(len(prompts))]
+
+    def _apply(self, func: Any) -> Any:
+        """``apply_model`` with this module's functions shipped by value
+        (:func:`_shipped_by_value`)."""
+        with _shipped_by_value():
+            return self.llm.apply_model(func)
 
     def batching_drift(self, prompts: Sequence[Sequence[int]]) -> float:
         """Largest difference (nats) between vLLM's prompt log-probabilities when
