@@ -62,3 +62,22 @@ def test_partial_file_names_round_trip():
     assert _partial_writer(tmp) == 4321
     assert _partial_writer(sample_path(Path("/out"), 7)) is None
     assert _partial_writer(Path("/out/.notes.1.tmp")) is None
+
+
+def test_speculators_private_preprocessing_is_probed(monkeypatch):
+    """The CLI uses two private functions of speculators: probed like adapter
+    targets; a changed signature is a clear error, not a wrong call."""
+    pytest = __import__("pytest")
+    pytest.importorskip("speculators")
+    from speculators.data_generation import preprocessing
+
+    from eagle3_compat.dataset import speculators_preprocessing
+
+    assert speculators_preprocessing("_preprocess_batch") is preprocessing._preprocess_batch
+    assert speculators_preprocessing("_detect_assistant_pattern") is preprocessing._detect_assistant_pattern
+    monkeypatch.setattr(preprocessing, "_preprocess_batch", lambda examples, tok, pattern, max_length: None)
+    with pytest.raises(RuntimeError, match=r"_preprocess_batch takes \('examples', 'tok', 'pattern', 'max_length'\)"):
+        speculators_preprocessing("_preprocess_batch")
+    monkeypatch.delattr(preprocessing, "_detect_assistant_pattern")
+    with pytest.raises(RuntimeError, match="_detect_assistant_pattern is missing"):
+        speculators_preprocessing("_detect_assistant_pattern")

@@ -44,13 +44,41 @@ def sample_path(out: Path, index: int) -> Path:
     return out / f"sample_{index:09d}.pt"
 
 
+# speculators' private preprocessing functions, used like an adapter's targets:
+# probed for the signature this module calls, a mismatch named.
+_PREPROCESSING = {
+    "_preprocess_batch": ("examples", "tokenizer", "max_length", "assistant_pattern"),
+    "_detect_assistant_pattern": ("tokenizer",),
+}
+
+
+def speculators_preprocessing(name: str) -> Any:
+    """speculators' private ``preprocessing.<name>``, checked against the
+    parameters it had in 0.3.0 (it is private: a later release may change it)."""
+    import inspect  # noqa: PLC0415
+
+    from speculators.data_generation import preprocessing  # noqa: PLC0415
+
+    fn = getattr(preprocessing, name, None)
+    expected = _PREPROCESSING[name]
+    params = tuple(inspect.signature(fn).parameters)[: len(expected)] if callable(fn) else None
+    if params != expected:
+        from importlib.metadata import version  # noqa: PLC0415
+
+        raise RuntimeError(
+            f"speculators {version('speculators')}: speculators.data_generation.preprocessing.{name} "
+            f"{'is missing' if params is None else f'takes {params}'}, expected {expected} "
+            "(speculators 0.3.0); conversations cannot be tokenized as speculators does"
+        )
+    return fn
+
+
 def _conversation_sample(tokenizer: Any, conv: list[dict], max_length: int, pattern: str) -> tuple[list[int], list[int]]:
     # speculators 0.3.0's own preprocessing, one conversation at a time: its
     # batch function drops a failing conversation without a word, which would
     # shift every later sample; here a failure names the line.
-    from speculators.data_generation.preprocessing import _preprocess_batch  # noqa: PLC0415
-
-    out = _preprocess_batch({"conversations": [conv]}, tokenizer, max_length, pattern)
+    preprocess = speculators_preprocessing("_preprocess_batch")
+    out = preprocess({"conversations": [conv]}, tokenizer, max_length, pattern)
     if len(out["input_ids"]) != 1:
         raise ValueError("speculators' preprocessing rejected this conversation")
     return out["input_ids"][0].tolist(), out["loss_mask"][0].tolist()
@@ -76,11 +104,7 @@ def read_jsonl(path: Path, tokenizer: Any, max_length: int) -> Iterator[Sample]:
                     mask = rec.get("loss_mask") or [1] * len(ids)
                 elif "conversations" in rec or "messages" in rec:
                     if pattern is None:
-                        from speculators.data_generation.preprocessing import (  # noqa: PLC0415
-                            _detect_assistant_pattern,
-                        )
-
-                        pattern = _detect_assistant_pattern(tokenizer)
+                        pattern = speculators_preprocessing("_detect_assistant_pattern")(tokenizer)
                     conv = rec.get("conversations") or rec.get("messages")
                     ids, mask = _conversation_sample(tokenizer, conv, max_length, pattern)
                 else:
