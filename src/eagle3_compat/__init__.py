@@ -44,6 +44,8 @@ class Status:
     skipped: dict[str, str] = field(default_factory=dict)
     note: str = ""
     options: dict[str, Any] = field(default_factory=dict)
+    # before apply(): the adapters apply() would install on this vLLM
+    pending: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lo, hi = SUPPORTED_VLLM
@@ -58,6 +60,7 @@ class Status:
             ("options", ", ".join(f"{k}={v}" for k, v in self.options.items()) or "-"),
         ]
         rows += [(f"adapter {a}", "active") for a in self.active]
+        rows += [(f"adapter {a}", "not applied yet (needed on this vLLM)") for a in self.pending]
         rows += [(f"adapter {a}", f"skipped: {why}") for a, why in self.skipped.items()]
         if self.note:
             rows.append(("note", self.note))
@@ -69,7 +72,21 @@ def status() -> Status:
     """The current state: versions found, adapters active or skipped, and why."""
     if _state.report is not None:
         return _state.report
-    return Status(found=detect(), note="apply() has not been called")
+    report = Status(found=detect(), note="apply() has not been called")
+    try:
+        vv = report.found.vllm_version
+    except ValueError:  # an unreadable EAGLE3_COMPAT_VLLM_VERSION: apply() says so
+        vv = None
+    if vv is not None:
+        from .adapters import ADAPTERS  # noqa: PLC0415
+
+        vminor = minor(vv)
+        for adapter in ADAPTERS:
+            if adapter.applies_to(vminor):
+                report.pending.append(adapter.id)
+            else:
+                report.skipped[adapter.id] = f"not needed on vLLM {vminor[0]}.{vminor[1]}"
+    return report
 
 
 def _unsupported(msg: str) -> None:

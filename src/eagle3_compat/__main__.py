@@ -98,6 +98,7 @@ def _doctor(_args: argparse.Namespace) -> int:
     try:
         import torch
 
+        rows.append(("torch build", f"cuda {torch.version.cuda}" if torch.version.cuda else "cpu"))
         rows.append(("cuda devices", str(torch.cuda.device_count() if torch.cuda.is_available() else 0)))
     except Exception as exc:  # noqa: BLE001
         problems.append(f"torch does not import: {exc}")
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("doctor", help="check versions, adapters and the worker side; exit 1 on problems")
     g = sub.add_parser("generate", help="extract hidden states for a JSONL of prompts into speculators' format")
     g.add_argument("--model", required=True, help="model path (or id already in the HF cache)")
-    g.add_argument("--input", required=True, help="JSONL: token-id lists, {input_ids}, or {conversations}")
+    g.add_argument("--input", required=True,
+                   help="JSONL: token-id lists, {input_ids}, {conversations} or {messages}")
     g.add_argument("--output", required=True, help="output folder (resumable)")
     g.add_argument("--layer-ids", default=None, help="comma-separated decoder layer ids (default: 0.3.0's)")
     g.add_argument("--max-model-len", type=int, default=2048)

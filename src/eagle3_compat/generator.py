@@ -79,6 +79,13 @@ def validate_layer_ids(layer_ids: Any, num_layers: int) -> list[int]:
     return ids
 
 
+def default_layer_ids(num_layers: int) -> list[int]:
+    """speculators 0.3.0's default ``[2, L // 2, L - 3, L - 1]``; on very small
+    models its entries coincide (6 layers: 2, 3, 3, 5) and a layer is captured
+    once, in first-seen order."""
+    return list(dict.fromkeys([2, num_layers // 2, num_layers - 3, num_layers - 1]))
+
+
 def generator_init(
     self: Any,
     model_path: str,
@@ -122,9 +129,7 @@ def generator_init(
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=True)
     num_layers = _num_layers(config)
     if layer_ids is None:
-        # 0.3.0's default; on very small models its entries coincide (6 layers:
-        # 2, 3, 3, 5) and a layer is captured once.
-        layer_ids = list(dict.fromkeys([2, num_layers // 2, num_layers - 3, num_layers - 1]))
+        layer_ids = default_layer_ids(num_layers)
         log.info("auto-selected layers %s of %d", layer_ids, num_layers)
     self.layer_ids = validate_layer_ids(layer_ids, num_layers)
     self._e3c_vocab_size = _vocab_size(config)
