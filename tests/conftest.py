@@ -28,6 +28,17 @@ def _have(mod: str) -> bool:
 
 HAVE_ENGINE = _have("vllm") and _have("speculators") and _have("torch")
 
+# Where vLLM's *own* forward (no eagle3_compat) differs from Hugging Face
+# float32 for a family (README, "Verified families"): only there may a family
+# test record an expected failure against HF, and only after the capture
+# matched vLLM's own forward one prompt per call (1e-5).  On any other release
+# an HF mismatch fails the test.
+VLLM_DIFFERS_FROM_HF = {
+    "qwen3": {(0, 12), (0, 13)},
+    "qwen3_moe": {(0, 12), (0, 13)},
+    "olmo2": {(0, 12), (0, 13)},
+}
+
 
 FULL = os.environ.get("E3C_SUITE", "full") == "full"
 # Tests marked "once" check pure logic whose result does not depend on the

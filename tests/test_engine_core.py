@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3_compat.testing import ensure_applied
-from conftest import GEN_LAYERS, GEN_MAX_MODEL_LEN
+from conftest import GEN_LAYERS, GEN_MAX_MODEL_LEN, VLLM_DIFFERS_FROM_HF
 from prompts import mixed_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("applied_f32")]
@@ -200,16 +200,25 @@ def test_other_family_matches_reference(tiny_models, family, vllm_minor):
             return
         except AssertionError as exc:
             hf_error = exc
-        # The capture must equal what vLLM itself computes.  Where vLLM's own
-        # forward disagrees with Hugging Face (seen: Qwen3 on vLLM 0.12's CPU
-        # path, no eagle3_compat involved, and batch-dependent there), compare
-        # one prompt per call with vLLM's own one-prompt-per-step forward.
+        # Only on the releases the README names (VLLM_DIFFERS_FROM_HF) may an
+        # HF mismatch be an expected failure; anywhere else it is a failure.
+        if vllm_minor not in VLLM_DIFFERS_FROM_HF.get(family, ()):
+            raise hf_error
+        # There the capture must still equal what vLLM itself computes (seen:
+        # Qwen3, Qwen3-MoE, Olmo2 on the vLLM 0.12 and 0.13 CPU paths, no
+        # eagle3_compat involved, and batch-dependent there): one prompt per
+        # call against vLLM's own one-prompt-per-step forward, 1e-5.
         singles = [g.generate([p])[0] for p in prompts]
     own = vllm_layer_outputs(model, prompts, layers)
-    compare(singles, own, prompts, layers, 1e-5)
+    worst = compare(singles, own, prompts, layers, 1e-5)
+    # ... and vLLM's own forward must be what differs from HF
     with pytest.raises(AssertionError):
         compare(own_as_results(own, prompts), hf, prompts, layers, F32_TOL)
-    pytest.xfail(f"vLLM {vllm_minor[0]}.{vllm_minor[1]}'s own {family} forward differs from HF: {hf_error}")
+    # reached only when the comparison with vLLM's forward above passed
+    pytest.xfail(
+        f"vLLM {vllm_minor[0]}.{vllm_minor[1]}'s own {family} forward differs from HF: {hf_error} "
+        f"(capture vs vLLM's own forward, one prompt per call: {worst:.3g} <= 1e-5)"
+    )
 
 
 def own_as_results(own, prompts):

@@ -45,11 +45,10 @@ def _as_ref(hf, index):
 
 @pytest.mark.parametrize("family", ["llama", "olmo2"])
 def test_layer_ids_against_hf_hidden_states(tiny_models, family, vllm_minor):
-    import torch
     from speculators.data_generation import VllmHiddenStatesGenerator
 
-    from conftest import FULL
-    from eagle3_compat.testing import compare, max_rel_error, vllm_layer_outputs
+    from conftest import FULL, VLLM_DIFFERS_FROM_HF
+    from eagle3_compat.testing import max_rel_error
 
     if family != "llama" and not FULL:
         pytest.skip("extended: Olmo2 (single-tensor layers) runs in the full suite")
@@ -74,16 +73,54 @@ def test_layer_ids_against_hf_hidden_states(tiny_models, family, vllm_minor):
         for a, b in zip(inp, out):
             assert max_rel_error(a["hidden_states"][1], b["hidden_states"][1]) < 1e-5
     except AssertionError as exc:
-        # Only where vLLM's own forward (no eagle3_compat) disagrees with HF
-        # too (seen: Olmo2 and Qwen3 on the vLLM 0.12 and 0.13 CPU builds,
-        # where it also differs between engine runs past the first token; the
-        # family test in test_engine_core.py pins the capture to vLLM's own
-        # one-prompt forward there).
-        own = vllm_layer_outputs(model, prompts, [0])
-        own_results = [{"input_ids": torch.tensor(p), "hidden_states": o} for p, o in zip(prompts, own)]
-        with pytest.raises(AssertionError):
-            compare(own_results, _as_ref(hf, [1]), prompts, [0], TOL)
+        if vllm_minor not in VLLM_DIFFERS_FROM_HF.get(family, ()):
+            raise
+        # Only on the releases the README names (Olmo2 on the vLLM 0.12 and
+        # 0.13 CPU builds), where vLLM's own forward (no eagle3_compat)
+        # disagrees with HF and is batch-dependent: both conventions are held
+        # to vLLM's own forward, one prompt per call, at 1e-5, and only then
+        # is the HF mismatch recorded as an expected failure.
+        _check_against_vllm_own(model, prompts, hf, layers, n)
         pytest.xfail(f"vLLM {vllm_minor[0]}.{vllm_minor[1]}'s own {family} forward differs from HF: {exc}")
+
+
+def _check_against_vllm_own(model, prompts, hf, layers, n):
+    import torch
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    from eagle3_compat.testing import compare, vllm_layer_outputs
+
+    out_layers = [0, 1, 2, n - 1]
+    # The reference gives layer *outputs*: layer_input k == layer_output k - 1
+    # for k >= 1, so the layer_input captures of layers 2 and n - 1 are held
+    # to the reference outputs of layers 1 and n - 2.  layer_input 0 is the
+    # embedding output, which the reference (stopped after a layer) does not
+    # give: it is held to HF's hidden_states[0] (a table lookup, the same in
+    # vLLM and HF) instead.
+    ref_ids = sorted(set(out_layers) | {k - 1 for k in layers if k >= 1})
+    own = vllm_layer_outputs(model, prompts, ref_ids)
+    at = {k: i for i, k in enumerate(ref_ids)}
+    with VllmHiddenStatesGenerator(str(model), layer_ids=out_layers, max_model_len=256) as g:
+        out1 = [g.generate([p])[0] for p in prompts]
+    compare(out1, [[o[at[k]] for k in out_layers] for o in own], prompts, out_layers, 1e-5)
+    with VllmHiddenStatesGenerator(str(model), layer_ids=layers, max_model_len=256,
+                                   capture="layer_input") as g:
+        inp1 = [g.generate([p])[0] for p in prompts]
+    later = [j for j, k in enumerate(layers) if k >= 1]
+    compare(
+        [{"input_ids": r["input_ids"], "hidden_states": [r["hidden_states"][j] for j in later]} for r in inp1],
+        [[o[at[layers[j] - 1]] for j in later] for o in own],
+        prompts, [layers[j] for j in later], 1e-5,
+    )
+    first = [j for j, k in enumerate(layers) if k == 0]
+    compare(
+        [{"input_ids": r["input_ids"], "hidden_states": [r["hidden_states"][j] for j in first]} for r in inp1],
+        _as_ref(hf, [0] * len(first)), prompts, [0] * len(first), TOL,
+    )
+    # ... and vLLM's own forward must be what differs from HF
+    own_results = [{"input_ids": torch.tensor(p), "hidden_states": [o[at[0]]]} for p, o in zip(prompts, own)]
+    with pytest.raises(AssertionError):
+        compare(own_results, _as_ref(hf, [1]), prompts, [0], TOL)
 
 
 def _check_against_hf(out, inp, hf, hf_model, prompts, layers, n):
