@@ -272,6 +272,7 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
         raise
     self.__dict__.pop("_e3c_arena", None)  # collect_results gives it back, whatever happens
     results = collect_results(prompts, self.layer_ids, layout, arena, captured, call)
+    _warn_unchecked_once(self, captured)
     log.debug(
         "call %d: %d prompts, %d steps, %d foreign rows, %s transport",
         call,
@@ -364,6 +365,7 @@ def generator_stream(
             for index, captured in zip(finished, replies):
                 prompt, layout, arena = in_flight.pop(index)
                 (states,) = collect_results([prompt], self.layer_ids, layout, arena, captured, call)
+                _warn_unchecked_once(self, captured)
                 yield index, {
                     "input_ids": torch.as_tensor(prompt, dtype=torch.long),
                     "hidden_states": states,
@@ -517,6 +519,20 @@ def _warn_rpc_once(self: Any, why: str) -> None:
             "slower and holds a copy in the rank-0 worker",
             why,
         )
+
+
+def _warn_unchecked_once(self: Any, captured: dict[str, Any]) -> None:
+    """Warn (once per generator) when the worker could not read the token ids
+    of some rows, so they were attributed to prompts by position only."""
+    if captured.get("token_ids_checked", True) or getattr(self, "_e3c_warned_unchecked", False):
+        return
+    self._e3c_warned_unchecked = True
+    log.warning(
+        "%s: the token ids the model saw could not be read in the worker (the model is fed "
+        "embeddings and the runner has no input_ids buffer); rows were attributed to prompts "
+        "by position only, without the token-id check",
+        getattr(self, "model_path", "<unknown model>"),
+    )
 
 
 # (integer view, mask of the magnitude bits, the pattern of +inf): a value is

@@ -224,7 +224,7 @@ class CaptureWorkerExtension:
         import torch  # noqa: PLC0415
         from vllm.distributed import get_pp_group, get_tp_group  # noqa: PLC0415
 
-        if getattr(self, "_e3c_handles", None):
+        if getattr(self, "_e3c_active", False):
             raise RuntimeError("eagle3_compat: capture is already set up in this worker")
         if get_pp_group().world_size != 1:
             raise RuntimeError("eagle3_compat: pipeline parallelism is not supported")
@@ -299,27 +299,35 @@ class CaptureWorkerExtension:
             handles.append(model.register_forward_pre_hook(inputs_hook, with_kwargs=True))
         self._e3c_handles = handles
 
-        original = runner.execute_model
+        import wrapt  # noqa: PLC0415
 
-        def execute_model(scheduler_output, *args, **kwargs):
+        original = runner.execute_model  # the bound method (the class's, for this runner)
+
+        def execute_model(wrapped, _instance, args, kwargs):
             call = self._e3c_call
+            scheduler_output = args[0] if args else kwargs["scheduler_output"]
             total = scheduler_output.total_num_scheduled_tokens
             if call is None or not total:
-                return original(scheduler_output, *args, **kwargs)
+                return wrapped(*args, **kwargs)
             # Step-local state: a fetch() that races with an in-flight step
             # (async scheduling) detaches the call; this step's rows then go
             # to the detached call, never into the next one.
             step = _Step(total)
             self._e3c_step = step
             try:
-                result = original(scheduler_output, *args, **kwargs)
+                result = wrapped(*args, **kwargs)
             finally:
                 self._e3c_step = None
             self._e3c_record(scheduler_output, step, call)
             return result
 
-        runner.execute_model = execute_model  # instance attribute: this runner only
-        self._e3c_original_execute = original
+        # An instance attribute (this runner only, never the class: other
+        # engines in the process are untouched); wrapt keeps ``__wrapped__``
+        # and the signature, and e3c_teardown removes exactly this object.
+        wrapper = wrapt.FunctionWrapper(original, execute_model)
+        runner.execute_model = wrapper
+        self._e3c_wrapper = wrapper
+        self._e3c_active = True
         info = {
             "model": type(model).__name__,
             "capture": capture,
@@ -370,6 +378,11 @@ class CaptureWorkerExtension:
     # group; a stream adds and takes one prompt at a time.
     def e3c_arm(self, call: int) -> None:
         """Start call ``call`` (forgetting any earlier one)."""
+        if not getattr(self, "_e3c_active", False):
+            raise RuntimeError(
+                "eagle3_compat: capture is not set up in this worker (e3c_teardown was called, "
+                "or e3c_setup never ran); no hidden states would be captured"
+            )
         self.e3c_disarm()
         if self._e3c_rank0:
             self._e3c_call = _Call(call, self._e3c_debug)
@@ -448,6 +461,10 @@ class CaptureWorkerExtension:
                 "steps": state.slicer.steps,
                 "foreign_rows": state.slicer.foreign_rows,
                 "error": state.error,
+                # False: some rows' token ids could not be read (a model fed
+                # embeddings, no runner buffer); they were attributed by
+                # position only.
+                "token_ids_checked": all(s.token_ids is not None for s in g.segments),
                 "dtype": self._e3c_dtype,
                 "hidden_size": self._e3c_hidden,
             }
@@ -467,6 +484,11 @@ class CaptureWorkerExtension:
             state.close()
 
     def e3c_teardown(self) -> None:
+        """Undo :meth:`e3c_setup`: remove the hooks, give the runner its own
+        ``execute_model`` back (the instance attribute is deleted, so the
+        class's method is found again), close the offload.  Later calls to
+        :meth:`e3c_arm` raise.  Idempotent."""
+        self._e3c_active = False
         self.e3c_disarm()
         for h in getattr(self, "_e3c_handles", ()):
             h.remove()
@@ -475,10 +497,38 @@ class CaptureWorkerExtension:
         if offload is not None:
             offload.close()
             self._e3c_offload = None
-        original = getattr(self, "_e3c_original_execute", None)
-        if original is not None:
-            del self.model_runner.execute_model  # type: ignore[attr-defined]
-            self._e3c_original_execute = None
+        wrapper = getattr(self, "_e3c_wrapper", None)
+        if wrapper is not None:
+            runner = self.model_runner  # type: ignore[attr-defined]
+            if runner.__dict__.get("execute_model") is wrapper:
+                del runner.execute_model
+            else:  # someone replaced our wrapper: leave theirs, say so
+                log.warning("runner.execute_model was replaced after e3c_setup; not restored")
+            self._e3c_wrapper = None
+
+    def e3c_state(self) -> dict[str, Any]:
+        """What :meth:`e3c_setup` changed in this worker and is still in place."""
+        import inspect  # noqa: PLC0415
+        import types  # noqa: PLC0415
+
+        import wrapt  # noqa: PLC0415
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        current = runner.execute_model
+        own = getattr(type(runner), "execute_model", None)
+        return {
+            "signature": str(inspect.signature(current)),
+            "active": bool(getattr(self, "_e3c_active", False)),
+            "hooks": len(getattr(self, "_e3c_handles", ()) or ()),
+            "execute_model_wrapped": "execute_model" in runner.__dict__,
+            # Not hasattr(__wrapped__): vLLM's own method has one already
+            # (torch.inference_mode's decorator).
+            "execute_model_is_wrapt_wrapper": isinstance(current, wrapt.FunctionWrapper),
+            # type(), not isinstance(): a wrapt proxy passes isinstance checks.
+            "execute_model_is_original": type(current) is types.MethodType
+            and current.__func__ is own,
+            "rank0": bool(getattr(self, "_e3c_rank0", False)),
+        }
 
     def e3c_memory(self, trim: bool = True) -> dict[str, Any]:
         """Resident memory of this worker process, for the bounded-memory tests.

@@ -18,8 +18,16 @@ How it is fixed: the engine is started with our worker extension
 (:class:`eagle3_compat.worker.CaptureWorkerExtension`), imported by vLLM
 inside each worker, which registers forward hooks on the requested decoder
 layers and records rows per request at every step.  Nothing is patched in
-the workers; this record's install step is empty and its probe checks the
-worker-side symbols in the user's process, before any engine starts.
+the user's process (this record's install step is empty; its probe checks
+the worker-side symbols there, before any engine starts).  What changes in
+the worker processes, per engine and only for the generator's own engine,
+when ``e3c_setup`` runs: on the rank-0 worker, forward hooks on the
+requested decoder layers (pre-hooks with ``capture="layer_input"``) and a
+forward pre-hook on the model (its inputs); on every worker, that runner
+instance's ``execute_model`` is wrapped (a ``wrapt.FunctionWrapper`` set as
+an instance attribute; the ``GPUModelRunner`` class is not touched).
+``e3c_teardown`` removes the hooks and the instance attribute; the engine's
+shutdown ends the processes either way.
 
 Remove when: speculators 0.3.0 is no longer supported.
 """
