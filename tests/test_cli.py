@@ -107,3 +107,30 @@ def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_m
     item = ds[1]
     assert item["hidden_states"].shape[-1] == 2 * 256  # layers 0 and 2 concatenated
     assert item["verifier_last_hidden_states"].shape[-1] == 256
+
+
+@pytest.mark.extended
+def test_generate_with_tensor_parallel_2_matches_hf(tmp_path, tiny_models):
+    """`generate --tensor-parallel-size 2` (README): two workers, rank 0 writes
+    the arena; every file against HF float32."""
+    import torch
+
+    from eagle3_compat.testing import hf_layer_outputs, max_rel_error
+
+    model = tiny_models("llama")
+    inp = tmp_path / "in.jsonl"
+    prompts = [list(range(4, 4 + n)) for n in (7, 60, 1, 33)]
+    inp.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    out = tmp_path / "out"
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    proc = cli("generate", "--model", str(model), "--input", str(inp), "--output", str(out),
+               "--layer-ids", "1,4", "--max-model-len", "128", "--tensor-parallel-size", "2",
+               "--dtype", "float32", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted(out.glob("sample_*.pt"))
+    assert len(files) == len(prompts)
+    for p, f in zip(prompts, files):
+        data = torch.load(f, weights_only=True)
+        assert data["input_ids"].tolist() == p
+        for h, r in zip(data["hidden_states"], hf_layer_outputs(model, [p], [1, 4])[0]):
+            assert max_rel_error(h, r) < 1e-4, f
