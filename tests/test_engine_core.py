@@ -86,11 +86,14 @@ def test_truncation_keeps_0_3_0_behaviour_and_warns(gen, llama, caplog):
 
 
 def _shm_names():
+    """This process's arena names in /dev/shm (tox runs envs side by side:
+    another env's driver may hold a name of its own at any moment)."""
     import os
 
     from eagle3_compat.arena import PREFIX, SHM_DIR
 
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
+    mine = f"{PREFIX}{os.getpid()}-"
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(mine))
 
 
 def test_worker_memory_returns_to_level(gen):

@@ -128,10 +128,12 @@ def test_missing_model_and_unverified_architecture(tmp_path, model):
 
 
 def shm_names():
-    """Names of eagle3_compat arenas in /dev/shm (none may outlive a call)."""
+    """This process's (the driver's) arena names in /dev/shm: none may outlive a
+    call.  Other drivers (tox envs run side by side) have names of their own."""
     from eagle3_compat.arena import PREFIX, SHM_DIR
 
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
+    mine = f"{PREFIX}{os.getpid()}-"
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(mine))
 
 
 def test_killed_engine_is_a_clear_error_and_leaves_no_processes(model, gen):
