@@ -62,6 +62,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(core_only)
 
 
+_ROOT_CAUSE = ("Error:", "Error(", "Exception:", "error:", "EADDRINUSE", "Killed", "Traceback")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After the summary (CI shows the output's tail), the lines of each failed
+    test's captured output that name an error: an engine that dies at start
+    prints its root cause in its own process, far above the driver's
+    "Engine core initialization failed"."""
+    failed = terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", [])
+    if not failed:
+        return
+    terminalreporter.section("root causes of the failures (error lines of captured output)")
+    for rep in failed:
+        lines: list[str] = []
+        for _name, text in rep.sections:
+            for line in text.splitlines():
+                if any(k in line for k in _ROOT_CAUSE) and line not in lines:
+                    lines.append(line)
+        terminalreporter.write_line(f"{rep.nodeid}:")
+        for line in lines[-12:]:
+            terminalreporter.write_line("    " + line.strip()[:300])
+
+
 @pytest.fixture(scope="session")
 def vllm_minor():
     from eagle3_compat.versions import detect, minor
