@@ -538,30 +538,21 @@ def _warn_unchecked_once(self: Any, captured: dict[str, Any]) -> None:
 # (integer view, mask of the magnitude bits, the pattern of +inf): a value is
 # inf or NaN exactly when its exponent bits are all ones, i.e. when its
 # magnitude bits, read as an integer, are at least those of +inf.
-_INF_BITS: dict[str, tuple[str, int, int]] = {
-    "bfloat16": ("int16", 0x7FFF, 0x7F80),
-    "float16": ("int16", 0x7FFF, 0x7C00),
-    "float32": ("int32", 0x7FFFFFFF, 0x7F800000),
-}
-
-
 def _all_finite(t: Any) -> bool:
     """Whether every value of ``t`` is finite.
 
-    For bfloat16, float16 and float32 the check reads the bits: one masked
-    integer maximum, no float conversion (measured on this CPU at hidden
-    7168 bf16: about half the time of a float32 sum, which was itself ~30x
-    cheaper than an elementwise ``isfinite`` on bfloat16).  Other dtypes:
-    a float32 sum, elementwise only when the sum overflows on finite values.
+    One ``torch.aminmax`` pass: NaN propagates to both results (documented
+    behaviour of ``aminmax``) and an infinity is the minimum or the maximum.
+    Measured on this CPU at hidden 7168 bf16 (0.94 GB): 12 GB/s, against 3.1
+    for the masked integer maximum of the bit patterns used before and 1.7
+    for a float32 sum (``benchmarks/finite_check.py``); no temporary tensor.
     """
     import torch  # noqa: PLC0415
 
-    bits = _INF_BITS.get(str(t.dtype).removeprefix("torch."))
-    if bits is not None and t.numel():
-        int_dtype, mask, inf = bits
-        v = t.contiguous().view(getattr(torch, int_dtype))
-        return int(torch.bitwise_and(v, mask).amax()) < inf
-    return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+    if not t.numel() or not t.is_floating_point():
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 class EngineDiedError(RuntimeError):
