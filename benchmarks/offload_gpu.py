@@ -17,7 +17,21 @@ Modes, each over the same steps in the same process:
     at their place, as the worker does;
 ``offload-stage-only``
     the same copies, the writer thread only waits for them (no arena
-    write): the device side alone.
+    write): the device side alone;
+``offload-shm``
+    ``offload`` into the arena the worker really writes: a file in
+    ``/dev/shm`` made by :class:`eagle3_compat.arena.DriverArena` (pages
+    allocated up front) and mapped by :class:`eagle3_compat.arena.ShmSink`;
+``offload-direct``
+    :meth:`HostOffload.register` on that arena (``cudaHostRegister``) and
+    :meth:`HostOffload.submit_into`: each captured tensor copied straight
+    into its place on the side stream: no staging buffer, no second host
+    copy (the worker does not use it yet: it needs each row's place before
+    the copy);
+``copy-only``
+    the captured tensors' copies into pinned staging without the step's
+    compute: the link's own time for a step's bytes (the floor of any
+    offload at that step length).
 
 Prints a table: ms per step (median over steps, every mode's wall time
 including the final drain / synchronize divided by the steps), overhead
@@ -34,7 +48,7 @@ import time
 
 import torch
 
-from eagle3_compat.arena import LocalSink, layout_for
+from eagle3_compat.arena import DriverArena, LocalSink, ShmSink, layout_for
 from eagle3_compat.offload import HostOffload
 
 
@@ -46,6 +60,9 @@ def main() -> int:
     ap.add_argument("--matmuls", type=int, default=7, help="matmuls per stand-in step")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ring", type=int, default=0,
+                    help="arena of this many steps, reused in turn (0: one place per step, all fresh pages)")
+    ap.add_argument("--arena-dir", default="/dev/shm")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -56,42 +73,80 @@ def main() -> int:
     capture_at = sorted({round(i * (args.matmuls - 1) / max(L - 1, 1)) for i in range(L)})
     step_bytes = T * H * 2 * len(capture_at)
     # the arena of a call of `steps` steps, one prompt per step
-    lengths = [T] * args.steps
+    ring = args.ring or args.steps
+    lengths = [T] * ring
     layout = layout_for(lengths, len(capture_at), H, "bfloat16")
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}; step: {args.matmuls} matmuls "
           f"[{T}, {H}] bf16, captured {len(capture_at)} x [{T}, {H}] = {step_bytes / 1e9:.2f} GB/step; "
           f"arena {layout.total / 1e9:.1f} GB host")
 
+    expected, x = [], x0
+    for k in range(args.matmuls):
+        x = x @ w
+        if k in capture_at:
+            expected.append(x.cpu())
+    registrar = HostOffload(dev)  # register() only
+    register_s: list[float] = []
+
+    def open_sink(mode: str):
+        """(sink, cleanup) for the modes that write an arena."""
+        if mode == "offload":
+            return LocalSink(layout, torch.bfloat16, H), lambda: None
+        if mode in ("offload-shm", "offload-direct"):
+            arena = DriverArena(layout, directory=args.arena_dir)
+            sink = ShmSink.open(arena.spec(), layout, torch.bfloat16, H)
+            arena.unlink()
+            assert not isinstance(sink, str), sink
+            if mode == "offload-direct":
+                t0 = time.perf_counter()
+                unregister = registrar.register(sink.buf)
+                register_s.append((time.perf_counter() - t0) / (layout.total / 1e9))
+                return sink, lambda: (unregister(), sink.close(), arena.discard())
+            return sink, lambda: (sink.close(), arena.discard())
+        return None, lambda: None
+
     def run(mode: str) -> float:
-        sink = LocalSink(layout, torch.bfloat16, H) if mode == "offload" else None
-        off = HostOffload(dev) if mode.startswith("offload") else None
+        sink, cleanup = open_sink(mode)
+        off = HostOffload(dev) if mode.startswith("offload") or mode == "copy-only" else None
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for s in range(args.steps):
             x = x0
             staged = []
-            for k in range(args.matmuls):
+            if mode == "copy-only":
+                staged = [off.submit(k, x0) for k in capture_at]
+            for k in range(args.matmuls if mode != "copy-only" else 0):
                 x = x @ w
                 if k in capture_at:
                     if mode == "sync-pageable":
                         x.to("cpu", copy=True)
+                    elif mode == "offload-direct":
+                        staged.append(off.submit_into(sink.view(s % ring, capture_at.index(k)), x))
                     elif off is not None:
                         staged.append(off.submit(k, x))
             if off is not None:
                 def write(staged=staged, s=s):
                     for j, st in enumerate(staged):
                         rows = st.wait()
-                        if sink is not None:
-                            sink.write(s, j, 0, T, rows)
+                        if sink is not None and mode != "offload-direct":
+                            sink.write(s % ring, j, 0, T, rows)
                         st.release()
                 off.run(write)
         if off is not None:
             off.drain()
             off.close()
         torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / args.steps
+        elapsed = time.perf_counter() - t0
+        if sink is not None:  # the rows that arrived are the step's own
+            last = (args.steps - 1) % ring
+            for j in range(len(capture_at)):
+                if not torch.equal(sink.view(last, j), expected[j]):
+                    raise SystemExit(f"{mode}: arena rows of layer slot {j} differ from the device's")
+        cleanup()
+        return elapsed / args.steps
 
-    modes = ["none", "sync-pageable", "offload-stage-only", "offload"]
+    modes = ["none", "sync-pageable", "offload-stage-only", "offload", "offload-shm",
+             "offload-direct", "copy-only"]
     for m in modes:  # warm-up: allocator, pinned pools, cuBLAS
         run(m)
     results: dict[str, list[float]] = {m: [] for m in modes}
@@ -105,6 +160,8 @@ def main() -> int:
         t = statistics.median(results[m])
         gbs = "" if m == "none" else f"{step_bytes / t / 1e9:.1f}"
         print(f"| {m} | {t * 1e3:.2f} | {t / base - 1:+.1%} | {gbs} |")
+    print(f"cudaHostRegister of the arena: {statistics.median(register_s):.3f} s/GB (median of {len(register_s)})")
+    registrar.close()
     return 0
 
 

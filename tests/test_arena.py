@@ -166,3 +166,18 @@ def test_offload_on_cpu_copies_what_it_does_not_own():
     assert ran == [1]  # inline on the CPU
     off.drain()
     off.close()
+
+
+def test_offload_submit_into_checks_the_destination_and_copies():
+    from eagle3_compat.offload import HostOffload
+
+    off = HostOffload("cpu")
+    rows = torch.arange(12, dtype=torch.float32).view(3, 4)
+    dst = torch.zeros(3, 4)
+    off.register(dst)()  # a no-op off CUDA
+    assert torch.equal(off.submit_into(dst, rows).wait(), rows)
+    assert torch.equal(dst, rows)
+    for bad in (torch.zeros(1, 4), torch.zeros(3, 4, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="does not match"):
+            off.submit_into(bad, rows)
+    off.close()

@@ -285,7 +285,9 @@ def test_stream_keeps_the_engine_fed_and_matches_the_reference(gen, llama):
     got = {}
     for k, sample in gen.stream(source(), max_in_flight=5):
         assert k not in got
-        assert pulled[0] - len(got) <= 5  # never more than 5 prompts in flight
+        # at most 5 prompts in the engine, and at most 5 finished ones being
+        # handed over (their successors were admitted in the same RPC)
+        assert pulled[0] - len(got) <= 2 * 5
         got[k] = sample
     assert sorted(got) == list(range(len(prompts)))
     ordered = [got[i] for i in range(len(prompts))]

@@ -298,10 +298,12 @@ def generator_stream(
 
     An addition of eagle3_compat (speculators 0.3.0 has no such method).
     ``token_ids`` is any iterable of prompts (read lazily); at most
-    ``max_in_flight`` of them are in the engine at once, and a new one is
-    admitted as soon as one finishes, so the engine stays full across what
-    would be call boundaries and memory is bounded by the prompts in
-    flight, whatever the length of the input.  Samples come out in the order
+    ``max_in_flight`` of them are in the engine at once, and new ones are
+    admitted in the same worker round trip that hands over the finished
+    ones, so the engine stays full across what would be call boundaries.
+    Memory is bounded by the prompts in flight (the rows of at most
+    ``2 * max_in_flight`` prompts: those in the engine and those being
+    handed over), whatever the length of the input.  Samples come out in the order
     they finish; ``index`` is the prompt's position in the input.  Each
     sample is what :meth:`generate` gives for that prompt, checked the same
     way; its tensors are views of the prompt's own shared-memory arena,
@@ -321,13 +323,18 @@ def generator_stream(
     max_len = self._e3c_max_model_len - 1
     source = enumerate(token_ids)
     in_flight: dict[int, tuple[list[int], Any, Any]] = {}  # index -> (prompt, layout, arena)
+    finished: list[int] = []  # out of the engine, rows not taken yet
     exhausted = False
     try:
         _rpc(self, "e3c_arm", call)
         while True:
-            # Refill: every free slot at once, one RPC for all of them.
+            # Refill every slot that is free once the finished prompts are
+            # taken.  Taking them and adding their successors is one RPC: the
+            # engine answers RPCs between steps, so each one waits for the
+            # step in progress, and one wait per round (not two) keeps the
+            # engine from idling while the driver catches up.
             admitted: list[tuple[int, list[int]]] = []
-            while not exhausted and len(in_flight) + len(admitted) < max_in_flight:
+            while not exhausted and len(in_flight) - len(finished) + len(admitted) < max_in_flight:
                 try:
                     index, ids = next(source)
                 except StopIteration:
@@ -344,25 +351,10 @@ def generator_stream(
                     )
                     prompt = prompt[:max_len]
                 admitted.append((index, prompt))
-            if admitted:
-                for index, prompt, layout, arena in _add_groups(self, call, admitted, in_flight):
-                    engine.add_request(make_request_id(call, index), {"prompt_token_ids": prompt}, params)
-            if not in_flight:
-                break
-            finished = []
-            for out in engine.step():
-                if not out.finished:
-                    continue
-                parsed = parse_request_id(out.request_id)
-                if parsed is None or parsed[0] != call or parsed[1] not in in_flight:
-                    raise CaptureError(
-                        f"the engine finished request {out.request_id!r}, not one of this stream's"
-                    )
-                finished.append(parsed[1])
-            if not finished:
-                continue
-            replies = rank0_reply_list(_rpc(self, "e3c_take_many", call, finished), len(finished))
-            for index, captured in zip(finished, replies):
+            taken = _exchange(self, call, finished, admitted, in_flight)
+            for index, prompt in admitted:
+                engine.add_request(make_request_id(call, index), {"prompt_token_ids": prompt}, params)
+            for index, captured in zip(finished, taken):
                 prompt, layout, arena = in_flight.pop(index)
                 (states,) = collect_results([prompt], self.layer_ids, layout, arena, captured, call)
                 _warn_unchecked_once(self, captured)
@@ -371,6 +363,19 @@ def generator_stream(
                     "hidden_states": states,
                     "loss_mask": None,
                 }
+            finished = []
+            if not in_flight:
+                break
+            while not finished:
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    parsed = parse_request_id(out.request_id)
+                    if parsed is None or parsed[0] != call or parsed[1] not in in_flight:
+                        raise CaptureError(
+                            f"the engine finished request {out.request_id!r}, not one of this stream's"
+                        )
+                    finished.append(parsed[1])
     except BaseException as exc:
         for *_, arena in in_flight.values():
             if arena is not None:
@@ -464,45 +469,43 @@ def _add_group(self: Any, call: int, group: int, prompts: list[tuple[int, int]],
     return arena
 
 
-def _add_groups(
-    self: Any, call: int, admitted: list[tuple[int, list[int]]], in_flight: dict[int, Any]
-) -> list[tuple[int, list[int], Any, Any]]:
-    """One group (and arena) per admitted prompt, all mapped by the worker in one
-    RPC; each enters ``in_flight`` as soon as its arena exists (so a failure
-    later in this function still gives it back)."""
+def _exchange(
+    self: Any,
+    call: int,
+    take: list[int],
+    admitted: list[tuple[int, list[int]]],
+    in_flight: dict[int, Any],
+) -> list[Any]:
+    """One RPC for a stream's round: the worker hands over the prompts in
+    ``take`` (their replies are returned, in order) and maps one new arena
+    per admitted prompt.  Each admitted prompt enters ``in_flight`` as soon
+    as its arena exists (so a failure later still gives it back)."""
     transport = transport_choice()
     use_shm = transport != "rpc" and DriverArena.available()
-    out, items = [], []
+    arenas, items = [], []
     for index, prompt in admitted:
         layout = _layout(self, [prompt])
         arena = DriverArena(layout) if use_shm else None
         in_flight[index] = (prompt, layout, arena)
         spec = None if arena is None else dict(arena.spec(), required=transport == "shm")
         items.append([index, [[index, len(prompt)]], spec])
-        out.append((index, prompt, layout, arena))
-    armed = rank0_reply_list(_rpc(self, "e3c_add_many", call, items), len(items))
-    for (*_, arena), reply in zip(out, armed):
+        arenas.append(arena)
+    if not take and not items:
+        return []
+    reply = rank0_reply(_rpc(self, "e3c_exchange", call, take, items))
+    if not isinstance(reply, dict) or len(reply.get("taken", ())) != len(take) or len(
+        reply.get("added", ())
+    ) != len(items):
+        raise CaptureError(
+            f"unexpected reply to the capture exchange of call {call} (taking {len(take)}, "
+            f"adding {len(items)}): {str(reply)[:200]}"
+        )
+    for arena, armed in zip(arenas, reply["added"]):
         if arena is not None:
             arena.unlink()  # the worker has it mapped (or said why not)
-            if reply["transport"] != "shm":
-                _warn_rpc_once(self, reply["why"])
-    return out
-
-
-def rank0_reply_list(reply: Any, expected: int) -> list[Any]:
-    """Rank 0's list of ``expected`` replies from a ``*_many`` RPC (other ranks send None)."""
-    if (
-        isinstance(reply, list)
-        and reply
-        and isinstance(reply[0], list)
-        and all(r is None for r in reply[1:])
-        and len(reply[0]) == expected
-    ):
-        return reply[0]
-    raise CaptureError(
-        f"unexpected reply to a batched capture RPC (expected rank 0's list of {expected}): "
-        f"{type(reply).__name__} {str(reply)[:200]}"
-    )
+            if armed["transport"] != "shm":
+                _warn_rpc_once(self, armed["why"])
+    return reply["taken"]
 
 
 def _discard_arena(self: Any) -> None:
@@ -535,9 +538,6 @@ def _warn_unchecked_once(self: Any, captured: dict[str, Any]) -> None:
     )
 
 
-# (integer view, mask of the magnitude bits, the pattern of +inf): a value is
-# inf or NaN exactly when its exponent bits are all ones, i.e. when its
-# magnitude bits, read as an integer, are at least those of +inf.
 def _all_finite(t: Any) -> bool:
     """Whether every value of ``t`` is finite.
 

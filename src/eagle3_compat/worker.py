@@ -430,15 +430,13 @@ class CaptureWorkerExtension:
             raise
         return {"transport": transport, "why": why}
 
-    def e3c_add_many(self, call: int, items: list[list[Any]]) -> Any:
-        """:meth:`e3c_add` for each ``[group, prompts, arena]``, in one RPC."""
-        replies = [self.e3c_add(call, group, prompts, arena) for group, prompts, arena in items]
-        return replies if self._e3c_rank0 else None
-
-    def e3c_take_many(self, call: int, groups: list[int]) -> Any:
-        """:meth:`e3c_take` for each group, in one RPC (a step often finishes several)."""
-        replies = [self.e3c_take(call, group) for group in groups]
-        return replies if self._e3c_rank0 else None
+    def e3c_exchange(self, call: int, take: list[int], add: list[list[Any]]) -> Any:
+        """A stream's round in one RPC: :meth:`e3c_take` for each group in
+        ``take``, then :meth:`e3c_add` for each ``[group, prompts, arena]`` in
+        ``add``.  Rank 0: ``{"taken": [...], "added": [...]}``; others None."""
+        taken = [self.e3c_take(call, group) for group in take]
+        added = [self.e3c_add(call, group, prompts, arena) for group, prompts, arena in add]
+        return {"taken": taken, "added": added} if self._e3c_rank0 else None
 
     def e3c_take(self, call: int, group: int) -> Any:
         """Hand over group ``group`` of call ``call``: metadata (and the rows on the
