@@ -18,9 +18,9 @@ def _dead_pid() -> int:
 
 def test_partials_of_dead_writers_are_removed_live_ones_and_samples_kept(tmp_path, caplog):
     dead = _dead_pid()
-    stale = tmp_path / f".sample_000000003.pt.{dead}.tmp"
-    live = tmp_path / f".sample_000000004.pt.{os.getpid()}.tmp"
-    sample = tmp_path / "sample_000000003.pt"
+    stale = tmp_path / f".data_3.pt.{dead}.tmp"
+    live = tmp_path / f".data_4.pt.{os.getpid()}.tmp"
+    sample = tmp_path / "data_3.pt"
     other = tmp_path / ".notes.tmp"
     for f in (stale, live, sample, other):
         f.write_bytes(b"x")
@@ -56,11 +56,13 @@ def test_mismatching_folder_is_refused_before_torch_and_vllm_load(tmp_path):
 
 
 def test_partial_file_names_round_trip():
-    from eagle3_compat.dataset import _partial_path, _partial_writer, sample_path
+    from eagle3_compat.dataset import _partial_path, _partial_writer, data_path
 
-    tmp = _partial_path(sample_path(Path("/out"), 7), 4321)
+    tmp = _partial_path(data_path(Path("/out"), 7), 4321)
+    assert tmp.name == ".data_7.pt.4321.tmp" and not tmp.name.endswith("pt")  # the trainer skips it
     assert _partial_writer(tmp) == 4321
-    assert _partial_writer(sample_path(Path("/out"), 7)) is None
+    assert _partial_writer(data_path(Path("/out"), 7)) is None
+    assert _partial_writer(Path("/out/.sample_000000007.pt.99.tmp")) == 99  # the earlier layout's
     assert _partial_writer(Path("/out/.notes.1.tmp")) is None
 
 
