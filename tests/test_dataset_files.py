@@ -83,3 +83,41 @@ def test_speculators_private_preprocessing_is_probed(monkeypatch):
     monkeypatch.delattr(preprocessing, "_detect_assistant_pattern")
     with pytest.raises(RuntimeError, match="_detect_assistant_pattern is missing"):
         speculators_preprocessing("_detect_assistant_pattern")
+
+
+def test_writer_publishes_in_index_order_whatever_the_finishing_order(tmp_path):
+    """Samples are saved as they arrive but renamed into place in order: the
+    folder is always a prefix (speculators resumes at the largest index + 1)."""
+    torch = __import__("pytest").importorskip("torch")
+    from eagle3_compat.dataset import _Writer, data_path
+
+    def sample(v):
+        return {"input_ids": torch.tensor([v]), "hidden_states": [torch.zeros(1, 2)], "loss_mask": torch.ones(1)}
+
+    def names():
+        return sorted(p.name for p in tmp_path.iterdir())
+
+    paths = [data_path(tmp_path, i) for i in range(3)]
+    with _Writer(max_queued=8) as w:
+        for p in paths:
+            w.expect(p)
+        w.submit(paths[2], sample(2))
+        w._queued[-1].result()
+        assert names() == [f".data_2.pt.{os.getpid()}.tmp"]  # saved, not yet in place
+        w.submit(paths[0], sample(0))
+        w._queued[-1].result()
+        assert names() == [f".data_2.pt.{os.getpid()}.tmp", "data_0.pt"]
+        w.submit(paths[1], sample(1))
+    assert names() == ["data_0.pt", "data_1.pt", "data_2.pt"]
+    assert [int(torch.load(p, weights_only=True)["input_ids"]) for p in paths] == [0, 1, 2]
+    # a failure before the gap is filled: the saved-but-unpublished file goes, the prefix stays
+    more = [data_path(tmp_path, i) for i in (3, 4)]
+    try:
+        with _Writer(max_queued=8) as w:
+            for p in more:
+                w.expect(p)
+            w.submit(more[1], sample(4))
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    assert names() == ["data_0.pt", "data_1.pt", "data_2.pt"]

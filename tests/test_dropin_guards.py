@@ -25,6 +25,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
         ([0, 1, 2, 3, 5], "layer_output", "give 5 layers"),
         ([0, 2, 4, 5], "layer_input", "--capture layer_input: the last tensor would be the input of layer 5"),  # (b)
         ([5, 0, 2, 4], "layer_output", "not ascending"),  # (c)
+        ([0, 4, 2, 5], "layer_output", "not ascending"),  # (c), ending at the final layer
         ([0, 2, 3, 4], "layer_output", "end at layer 4, not the final layer 5"),
         ([0, 2, 2, 5], "layer_output", "repeats [2]"),
         ([0, 2, 4, 6], "layer_output", "out of bounds"),
