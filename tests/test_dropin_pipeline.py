@@ -204,6 +204,7 @@ def test_upstream_pipeline_end_to_end_on_cpu(tmp_path, tiny_models):
         capture_output=True, text=True, timeout=900, env=train_env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     losses = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("LOSSES "))[7:])
+    print("speculators Trainer on the CPU, loss per step:", " ".join(f"{v:.3f}" for v in losses))
     assert len(losses) >= 10 and all(math.isfinite(v) for v in losses), losses
     k = max(2, len(losses) // 4)
     assert sum(losses[-k:]) / k < 0.8 * sum(losses[:k]) / k, losses
