@@ -47,11 +47,6 @@ class Sample:
     loss_mask: list[int]
 
 
-def sample_path(out: Path, index: int) -> Path:
-    """Sample ``index``'s file in speculators' layout (``data_{index}.pt``)."""
-    return data_path(out, index)
-
-
 # speculators' private preprocessing functions, used like an adapter's targets:
 # probed for the signature this module calls, a mismatch named.
 _PREPROCESSING = {
