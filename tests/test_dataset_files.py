@@ -121,3 +121,22 @@ def test_writer_publishes_in_index_order_whatever_the_finishing_order(tmp_path):
     except KeyboardInterrupt:
         pass
     assert names() == ["data_0.pt", "data_1.pt", "data_2.pt"]
+
+
+def test_truncated_file_of_a_killed_upstream_run_is_named(tmp_path):
+    """speculators' script saves in place: a run killed mid-write leaves a
+    truncated data_{k}.pt, which resuming must not keep silently."""
+    torch = __import__("pytest").importorskip("torch")
+    pytest = __import__("pytest")
+    from eagle3_compat.dataset import check_upstream_tail
+
+    sample = {"input_ids": torch.arange(3), "hidden_states": [torch.zeros(3, 2)], "loss_mask": torch.ones(3)}
+    for i in range(6):
+        torch.save(sample, tmp_path / f"data_{i}.pt")
+    check_upstream_tail(tmp_path)
+    whole = (tmp_path / "data_5.pt").read_bytes()
+    (tmp_path / "data_5.pt").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"data_5.pt does not load as a sample .* delete it"):
+        check_upstream_tail(tmp_path)
+    (tmp_path / "manifest.json").write_text("{}")  # a folder of ours: files are whole by construction
+    check_upstream_tail(tmp_path)

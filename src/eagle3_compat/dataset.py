@@ -231,6 +231,32 @@ def _check_folder(output: Path, model: str, layer_ids: list[int], seq_length: in
                     output, MANIFEST, DATA_CONFIG)
 
 
+UPSTREAM_WRITERS = 4  # MAX_IO_WORKERS of speculators 0.3.0's script: files it may have been writing
+
+
+def check_upstream_tail(output: Path) -> None:
+    """In a folder speculators' own script wrote (no manifest of ours), load
+    the last files it may have been writing when it stopped: its
+    ``torch.save`` writes in place, so a killed run can leave a truncated
+    file that its resume (and ours) would keep.  Raises ``ValueError`` naming it."""
+    import torch  # noqa: PLC0415
+
+    if (output / MANIFEST).exists() or not output.is_dir():
+        return  # ours are renamed into place whole
+    found = sorted((int(p.name[5:-3]), p) for p in output.glob("data_*.pt") if p.name[5:-3].isdigit())
+    for _, path in found[-UPSTREAM_WRITERS:]:
+        try:
+            data = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            missing = {"input_ids", "hidden_states", "loss_mask"} - set(data)
+            if missing:
+                raise ValueError(f"no {sorted(missing)}")
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(
+                f"{path} does not load as a sample ({exc}); speculators' script writes in place, so a "
+                "run killed while writing leaves such a file: delete it and run again to resume"
+            ) from exc
+
+
 GC_EVERY_BYTES = 1 << 30
 
 
@@ -450,6 +476,7 @@ def run_generate(
 
     if tensor_parallel_size is None:  # speculators' default: every accelerator (0 on a CPU: 1)
         tensor_parallel_size = max(1, torch.accelerator.device_count()) if hasattr(torch, "accelerator") else 1
+    check_upstream_tail(output)
     output.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(output)
     resume_at = upstream_resume_index(output)
