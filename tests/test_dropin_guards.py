@@ -204,3 +204,16 @@ def test_run_usage_errors(tmp_path):
                                environ={"PYTHONPATH": "/x"})
     assert argv[1:] == ["-m", "pkg.mod", "--a", "1"]
     assert env["PYTHONPATH"].split(os.pathsep)[1:] == ["/x"] and env["EAGLE3_COMPAT_APPLIED"] == '{"dtype": null}'
+
+
+def test_run_module_form(tmp_path):
+    """`eagle3-compat run -m MODULE ARGS`: as `python -m`, the hook inherited."""
+    (tmp_path / "probe_mod.py").write_text(PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "EAGLE3_COMPAT_APPLIED"}
+    proc = subprocess.run([sys.executable, "-m", "eagle3_compat", "run", "-m", "probe_mod", "a", "--b"],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("PROBE "))[6:])
+    assert out["argv"][1:] == ["a", "--b"] and out["main_file"] == "probe_mod.py"
+    assert json.loads(out["env"]) == {"dtype": None}
+    assert out["registered"] is True and out["subprocess"] == "True" and out["spawn"] is True
