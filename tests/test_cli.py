@@ -57,36 +57,41 @@ def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_m
     n = _write_input(inp)
     out = tmp_path / "out"
     args = ["generate", "--model", str(model), "--input", str(inp), "--output", str(out),
-            "--layer-ids", "0,2,5", "--max-model-len", "128", "--batch-size", "2", "--max-in-flight", "1",
+            "--layer-ids", "0,2,4,5", "--max-model-len", "128", "--batch-size", "2", "--max-in-flight", "2",
             "--dtype", "float32"]
-    # first run: killed as soon as the first samples are on disk (one prompt
-    # in flight: the samples arrive one by one)
+    # first run: killed as soon as the first samples are on disk (two prompts
+    # in flight: they may finish out of order, the files appear in order)
     log = tmp_path / "first-run.log"
     with log.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "eagle3_compat", *args], stdout=f, stderr=f,
                                 start_new_session=True)
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not list(out.glob("sample_*.pt")) and proc.poll() is None:
+    while time.monotonic() < deadline and not list(out.glob("data_*.pt")) and proc.poll() is None:
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    first = {p.name: p.stat().st_mtime_ns for p in out.glob("sample_*.pt")}
+    first = {p.name: p.stat().st_mtime_ns for p in out.glob("data_*.pt")}
     assert 0 < len(first) < n, log.read_text()[-3000:]
+    # always a prefix: speculators' own resume (largest index + 1) leaves no hole
+    assert sorted(first) == sorted(f"data_{i}.pt" for i in range(len(first)))
     # a kill during a write leaves the writer's temporary file (sometimes: the
     # timing decides); make sure there is one, by the killed writer's pid
-    (out / f".sample_{n - 1:09d}.pt.{proc.pid}.tmp").write_bytes(b"partial")
+    (out / f".data_{n - 1}.pt.{proc.pid}.tmp").write_bytes(b"partial")
     # second run completes the rest, leaves the first run's files alone
     done = cli(*args)
     assert done.returncode == 0, done.stderr[-3000:]
-    files = sorted(out.glob("sample_*.pt"))
-    assert [p.name for p in files] == [f"sample_{i:09d}.pt" for i in range(n)]
+    files = [out / f"data_{i}.pt" for i in range(n)]
+    assert sorted(p.name for p in out.glob("*.pt")) == sorted(p.name for p in files)
     assert all(p.stat().st_mtime_ns == first[p.name] for p in files if p.name in first)
     assert not list(out.glob(".*.tmp"))
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["samples"] == n and manifest["written_this_run"] == n - len(first)
-    assert manifest["layer_ids"] == [0, 2, 5] and manifest["capture"] == "layer_output"
+    assert manifest["layer_ids"] == [0, 2, 4, 5] and manifest["capture"] == "layer_output"
+    assert manifest["trainer_checks"] is True
+    config = json.loads((out / "data_config.json").read_text())  # speculators' DataGenerationConfig
+    assert config["hidden_states"]["layer_ids"] == [0, 2, 4, 5] and config["data"]["num_samples"] == n
     # resuming into this folder with another convention or other layers: refused
-    for change in (["--capture", "layer_input"], ["--layer-ids", "0,2,4"]):
+    for change in (["--capture", "layer_input", "--no-trainer-checks"], ["--layer-ids", "0,2,3,5"]):
         bad = cli(*args, *change)
         assert bad.returncode != 0 and "resuming would mix them" in bad.stderr, bad.stderr[-2000:]
     assert json.loads((out / "manifest.json").read_text()) == manifest
@@ -94,7 +99,7 @@ def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_m
     for i, p in enumerate(files):
         data = torch.load(p, weights_only=True)
         ids = data["input_ids"].tolist()
-        ref = hf_layer_outputs(model, [ids], [0, 2, 5])[0]
+        ref = hf_layer_outputs(model, [ids], [0, 2, 4, 5])[0]
         for h, r in zip(data["hidden_states"], ref):
             assert max_rel_error(h, r) < 1e-4, (i, p)
         assert data["loss_mask"].shape == data["input_ids"].shape
@@ -105,7 +110,7 @@ def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_m
     ds = Eagle3SampleFileDataset(max_len=128, datapath=str(out))
     assert len(ds) == n
     item = ds[1]
-    assert item["hidden_states"].shape[-1] == 2 * 256  # layers 0 and 2 concatenated
+    assert item["hidden_states"].shape[-1] == 3 * 256  # layers 0, 2 and 4 concatenated
     assert item["verifier_last_hidden_states"].shape[-1] == 256
 
 
@@ -125,10 +130,10 @@ def test_generate_with_tensor_parallel_2_matches_hf(tmp_path, tiny_models):
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
     proc = cli("generate", "--model", str(model), "--input", str(inp), "--output", str(out),
                "--layer-ids", "1,4", "--max-model-len", "128", "--tensor-parallel-size", "2",
-               "--dtype", "float32", env=env)
+               "--dtype", "float32", "--no-trainer-checks", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    files = sorted(out.glob("sample_*.pt"))
-    assert len(files) == len(prompts)
+    files = [out / f"data_{i}.pt" for i in range(len(prompts))]
+    assert len(list(out.glob("*.pt"))) == len(prompts)
     for p, f in zip(prompts, files):
         data = torch.load(f, weights_only=True)
         assert data["input_ids"].tolist() == p

@@ -18,9 +18,9 @@ def _dead_pid() -> int:
 
 def test_partials_of_dead_writers_are_removed_live_ones_and_samples_kept(tmp_path, caplog):
     dead = _dead_pid()
-    stale = tmp_path / f".sample_000000003.pt.{dead}.tmp"
-    live = tmp_path / f".sample_000000004.pt.{os.getpid()}.tmp"
-    sample = tmp_path / "sample_000000003.pt"
+    stale = tmp_path / f".data_3.pt.{dead}.tmp"
+    live = tmp_path / f".data_4.pt.{os.getpid()}.tmp"
+    sample = tmp_path / "data_3.pt"
     other = tmp_path / ".notes.tmp"
     for f in (stale, live, sample, other):
         f.write_bytes(b"x")
@@ -56,11 +56,13 @@ def test_mismatching_folder_is_refused_before_torch_and_vllm_load(tmp_path):
 
 
 def test_partial_file_names_round_trip():
-    from eagle3_compat.dataset import _partial_path, _partial_writer, sample_path
+    from eagle3_compat.dataset import _partial_path, _partial_writer, data_path
 
-    tmp = _partial_path(sample_path(Path("/out"), 7), 4321)
+    tmp = _partial_path(data_path(Path("/out"), 7), 4321)
+    assert tmp.name == ".data_7.pt.4321.tmp" and not tmp.name.endswith("pt")  # the trainer skips it
     assert _partial_writer(tmp) == 4321
-    assert _partial_writer(sample_path(Path("/out"), 7)) is None
+    assert _partial_writer(data_path(Path("/out"), 7)) is None
+    assert _partial_writer(Path("/out/.sample_000000007.pt.99.tmp")) == 99  # the earlier layout's
     assert _partial_writer(Path("/out/.notes.1.tmp")) is None
 
 
@@ -81,3 +83,60 @@ def test_speculators_private_preprocessing_is_probed(monkeypatch):
     monkeypatch.delattr(preprocessing, "_detect_assistant_pattern")
     with pytest.raises(RuntimeError, match="_detect_assistant_pattern is missing"):
         speculators_preprocessing("_detect_assistant_pattern")
+
+
+def test_writer_publishes_in_index_order_whatever_the_finishing_order(tmp_path):
+    """Samples are saved as they arrive but renamed into place in order: the
+    folder is always a prefix (speculators resumes at the largest index + 1)."""
+    torch = __import__("pytest").importorskip("torch")
+    from eagle3_compat.dataset import _Writer, data_path
+
+    def sample(v):
+        return {"input_ids": torch.tensor([v]), "hidden_states": [torch.zeros(1, 2)], "loss_mask": torch.ones(1)}
+
+    def names():
+        return sorted(p.name for p in tmp_path.iterdir())
+
+    paths = [data_path(tmp_path, i) for i in range(3)]
+    with _Writer(max_queued=8) as w:
+        for p in paths:
+            w.expect(p)
+        w.submit(paths[2], sample(2))
+        w._queued[-1].result()
+        assert names() == [f".data_2.pt.{os.getpid()}.tmp"]  # saved, not yet in place
+        w.submit(paths[0], sample(0))
+        w._queued[-1].result()
+        assert names() == [f".data_2.pt.{os.getpid()}.tmp", "data_0.pt"]
+        w.submit(paths[1], sample(1))
+    assert names() == ["data_0.pt", "data_1.pt", "data_2.pt"]
+    assert [int(torch.load(p, weights_only=True)["input_ids"]) for p in paths] == [0, 1, 2]
+    # a failure before the gap is filled: the saved-but-unpublished file goes, the prefix stays
+    more = [data_path(tmp_path, i) for i in (3, 4)]
+    try:
+        with _Writer(max_queued=8) as w:
+            for p in more:
+                w.expect(p)
+            w.submit(more[1], sample(4))
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    assert names() == ["data_0.pt", "data_1.pt", "data_2.pt"]
+
+
+def test_truncated_file_of_a_killed_upstream_run_is_named(tmp_path):
+    """speculators' script saves in place: a run killed mid-write leaves a
+    truncated data_{k}.pt, which resuming must not keep silently."""
+    torch = __import__("pytest").importorskip("torch")
+    pytest = __import__("pytest")
+    from eagle3_compat.dataset import check_upstream_tail
+
+    sample = {"input_ids": torch.arange(3), "hidden_states": [torch.zeros(3, 2)], "loss_mask": torch.ones(3)}
+    for i in range(6):
+        torch.save(sample, tmp_path / f"data_{i}.pt")
+    check_upstream_tail(tmp_path)
+    whole = (tmp_path / "data_5.pt").read_bytes()
+    (tmp_path / "data_5.pt").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"data_5.pt does not load as a sample .* delete it"):
+        check_upstream_tail(tmp_path)
+    (tmp_path / "manifest.json").write_text("{}")  # a folder of ours: files are whole by construction
+    check_upstream_tail(tmp_path)

@@ -193,14 +193,15 @@ def test_generate_capture_layer_input_matches_hf_hidden_states(tmp_path, tiny_mo
     layers = [0, 2, 5]
     proc = cli("generate", "--model", str(model), "--input", str(inp), "--output", str(out),
                "--layer-ids", ",".join(map(str, layers)), "--max-model-len", "128", "--dtype", "float32",
-               "--capture", "layer_input")
+               "--capture", "layer_input", "--no-trainer-checks")
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["capture"] == "layer_input" and manifest["layer_ids"] == layers
+    assert manifest["trainer_checks"] is False
     assert manifest["samples"] == len(prompts)
     hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
     for i, ids in enumerate(prompts):
-        data = torch.load(out / f"sample_{i:09d}.pt", weights_only=True)
+        data = torch.load(out / f"data_{i}.pt", weights_only=True)
         assert data["input_ids"].tolist() == ids
         with torch.no_grad():
             hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states

@@ -1,4 +1,4 @@
-"""Command line: ``python -m eagle3_compat {demo,status}`` (also ``eagle3-compat``)."""
+"""Command line: ``python -m eagle3_compat {generate,run,doctor,demo,status}`` (also ``eagle3-compat``)."""
 
 from __future__ import annotations
 
@@ -53,29 +53,69 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _layer_ids(values: list[str] | None) -> list[int] | None:
+    """``--layer-ids 2 16 29 31`` (speculators' form) or ``--layer-ids 2,16,29,31``."""
+    if not values:
+        return None
+    try:
+        return [int(x) for v in values for x in v.split(",") if x.strip()]
+    except ValueError as exc:
+        raise SystemExit(f"eagle3-compat generate: --layer-ids: integers expected, got {values}") from exc
+
+
 def _generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from eagle3_compat.dataset import run_generate
 
-    layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
-    manifest = run_generate(
-        model=args.model,
-        input_path=Path(args.input),
-        output=Path(args.output),
-        layer_ids=layer_ids,
-        max_model_len=args.max_model_len,
-        batch_size=args.batch_size,
-        max_in_flight=args.max_in_flight,
-        tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype,
-        capture=args.capture,
-    )
+    if args.input is not None:
+        upstream_only = {"--max-samples": args.max_samples is not None, "--seed": args.seed is not None,
+                         "--hf-cache-dir": args.hf_cache_dir is not None,
+                         "--assistant-pattern": args.assistant_pattern is not None,
+                         "--turn-dropout": args.turn_dropout,
+                         "--num-preprocessing-workers": args.num_preprocessing_workers is not None}
+        given = [k for k, v in upstream_only.items() if v]
+        if given:
+            raise SystemExit(f"eagle3-compat generate: {', '.join(given)} apply to --train-data-path "
+                             "(speculators' preprocessing), not to --input")
+    try:
+        manifest = run_generate(
+            model=args.model,
+            output=Path(args.output),
+            input_path=Path(args.input) if args.input is not None else None,
+            train_data_path=args.train_data_path,
+            layer_ids=_layer_ids(args.layer_ids),
+            max_model_len=args.max_model_len,
+            batch_size=args.batch_size,
+            max_in_flight=args.max_in_flight,
+            tensor_parallel_size=args.tensor_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            dtype=args.dtype,
+            capture=args.capture,
+            trainer_checks=not args.no_trainer_checks,
+            max_samples=args.max_samples,
+            seed=0 if args.seed is None else args.seed,
+            token_freq_path=args.token_freq_path,
+            hf_cache_dir=args.hf_cache_dir,
+            assistant_pattern=args.assistant_pattern,
+            turn_dropout=args.turn_dropout,
+            num_preprocessing_workers=8 if args.num_preprocessing_workers is None else args.num_preprocessing_workers,
+            start_idx=args.start_idx,
+        )
+    except ValueError as exc:  # bad arguments or folder: the message says what and how to fix it
+        print(f"eagle3-compat generate: error: {exc}", file=sys.stderr)
+        return 2
     print(
         f"{manifest['samples']} samples in {args.output} ({manifest['written_this_run']} written now, "
         f"{manifest['tokens_this_run']} tokens in {manifest['seconds_this_run']:.1f}s)"
     )
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from eagle3_compat.launcher import launch
+
+    return launch(args.target, module=args.module, args=args.args, dtype=args.dtype)
 
 
 def _doctor(_args: argparse.Namespace) -> int:
@@ -163,26 +203,60 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="extract hidden states from a tiny local model and check them")
     sub.add_parser("status", help="versions found and adapters (without applying)")
     sub.add_parser("doctor", help="check versions, adapters and the worker side; exit 1 on problems")
-    g = sub.add_parser("generate", help="extract hidden states for a JSONL of prompts into speculators' format")
-    g.add_argument("--model", required=True, help="model path (or id already in the HF cache)")
-    g.add_argument("--input", required=True,
-                   help="JSONL: token-id lists, {input_ids}, {conversations} or {messages}")
-    g.add_argument("--output", required=True, help="output folder (resumable)")
-    g.add_argument("--layer-ids", default=None, help="comma-separated decoder layer ids (default: 0.3.0's)")
-    g.add_argument("--max-model-len", type=int, default=2048)
+    g = sub.add_parser(
+        "generate", help="extract hidden states into speculators' training folder "
+        "(the arguments of speculators 0.3.0's scripts/data_generation_offline.py)")
+    g.add_argument("--target-model-path", "--model", dest="model", required=True,
+                   help="model path (or id already in the HF cache)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--train-data-path", default=None,
+                     help="'sharegpt', 'ultrachat' or a .json/.jsonl file of conversations, through "
+                          "speculators' own load_and_preprocess_dataset")
+    src.add_argument("--input", default=None,
+                     help="JSONL: token-id lists, {input_ids}, {conversations} or {messages}")
+    g.add_argument("--output-dir", "--output", dest="output", required=True,
+                   help="output folder: data_{i}.pt, data_config.json, manifest.json (resumable)")
+    g.add_argument("--layer-ids", nargs="+", default=None,
+                   help="decoder layer ids, space- or comma-separated (default: speculators 0.3.0's)")
+    g.add_argument("--seq-length", "--max-model-len", dest="max_model_len", type=int, default=2048,
+                   help="maximum sequence length for preprocessing and the model (default 2048)")
     g.add_argument("--batch-size", type=int, default=None,
                    help="accepted for compatibility; unused: the job streams (see --max-in-flight)")
     g.add_argument("--max-in-flight", type=int, default=64,
                    help="prompts in the engine at once; a new one is admitted as soon as one finishes "
                         "(memory is bounded by this, whatever the input's length)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="default: every accelerator (1 on a CPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    g.add_argument("--max-samples", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None, help="shuffle seed of speculators' preprocessing (0)")
+    g.add_argument("--token-freq-path", default=None,
+                   help="token frequencies for build_vocab_mapping (default with --train-data-path: "
+                        "./token_freq.pt, as speculators; with --input: not written unless given)")
+    g.add_argument("--hf-cache-dir", default=None)
+    g.add_argument("--assistant-pattern", default=None)
+    g.add_argument("--turn-dropout", action="store_true")
+    g.add_argument("--num-preprocessing-workers", type=int, default=None)
+    g.add_argument("--start-idx", type=int, default=0, help="index of the first output file (data_{start-idx}.pt)")
     g.add_argument("--dtype", default=None, choices=[None, "auto", "float32", "bfloat16", "float16"])
     g.add_argument("--capture", default="layer_output", choices=["layer_output", "layer_input"],
                    help="layer_output: speculators 0.3.0 (output of layer k); layer_input: vLLM "
-                        "EAGLE-3 serving (input of layer k)")
+                        "EAGLE-3 serving (input of layer k; with --no-trainer-checks only)")
+    g.add_argument("--no-trainer-checks", action="store_true",
+                   help="the folder is not for speculators 0.3.0's trainer: skip its rules (4 ascending "
+                        "layer ids ending at the final layer, layer outputs); recorded in the manifest")
+    r = sub.add_parser(
+        "run", help="run a Python program (e.g. speculators' own scripts) with apply() in effect in it "
+                    "and its child processes: eagle3-compat run [--dtype D] SCRIPT|-m MODULE [ARGS...]")
+    r.add_argument("--dtype", default=None, choices=[None, "auto", "float32", "bfloat16", "float16"],
+                   help="passed to apply()")
+    r.add_argument("-m", dest="module", action="store_true", help="TARGET is a module, as with python -m")
+    r.add_argument("target", help="script path, or module name with -m")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="the program's own arguments, untouched")
     args = ap.parse_args(argv)
     _configure_logging()
-    return {"demo": _demo, "status": _status, "doctor": _doctor, "generate": _generate}[args.cmd](args)
+    commands = {"demo": _demo, "status": _status, "doctor": _doctor, "generate": _generate, "run": _run}
+    return commands[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
-"""The main job: a JSONL of prompts in, speculators' training files out.
+"""The main job: prompts in, speculators' training folder out.
 
-Output layout: one ``.pt`` file per sample in speculators 0.3.0's "v1"
-format (what ``speculators.train.data.Eagle3SampleFileDataset`` reads):
+Output layout: speculators 0.3.0's own (``scripts/data_generation_offline.py``
+at the v0.3.0 tag): one ``data_{i}.pt`` per sample in its "v1" format
+(what ``speculators.train.data.Eagle3SampleFileDataset`` reads):
 ``{"input_ids": LongTensor[T], "loss_mask": LongTensor[T], "hidden_states":
-[Tensor[T, H] per layer id]}``, plus ``manifest.json``.
+[Tensor[T, H] per layer id]}``, ``data_config.json`` written by speculators'
+own ``DataGenerationConfig``, and our ``manifest.json``.  Inputs: a dataset
+through speculators' own ``load_and_preprocess_dataset`` (which also writes
+``token_freq.pt`` where ``--token-freq-path`` says), or our JSONL of token
+ids / conversations.
 
-Resumable: sample ``i`` is written to ``sample_{i:09d}.pt`` through a
-temporary file and an atomic rename, so a file either exists whole or not
-at all; a rerun skips the samples whose files exist and computes the rest.
-Each sample is validated (rows equal tokens, finite) before it is written.
+Resumable, and compatible with upstream's resume (the largest index + 1):
+sample ``i`` is written to a temporary file and renamed into place whole,
+and files are renamed in index order, so the folder always holds a prefix
+``data_{start}..data_{k}`` however the engine's requests finish.  A rerun
+skips the samples whose files exist and computes the rest.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from .logs import get_logger
+from .upstream import check_layer_plan, data_path, model_num_layers, upstream_resume_index
 
-__all__ = ["Sample", "read_jsonl", "run_generate", "sample_path"]
+__all__ = ["Sample", "read_jsonl", "run_generate", "data_path"]
 
 log = get_logger("eagle3_compat.dataset")
 MANIFEST = "manifest.json"
@@ -38,10 +45,6 @@ class Sample:
     index: int
     input_ids: list[int]
     loss_mask: list[int]
-
-
-def sample_path(out: Path, index: int) -> Path:
-    return out / f"sample_{index:09d}.pt"
 
 
 # speculators' private preprocessing functions, used like an adapter's targets:
@@ -128,7 +131,9 @@ def _validate(result: dict[str, Any], sample: Sample, layer_ids: Sequence[int]) 
             raise RuntimeError(f"sample {sample.index}, layer {k}: shape {tuple(h.shape)} for {n} tokens")
 
 
-# A sample is written to ".<name>.<writer pid>.tmp" and renamed into place
+# A sample is written to ".<name>.<writer pid>.tmp" (".data_7.pt.1234.tmp": no
+# ".pt" suffix, so speculators' trainer, which reads every "*pt" file under
+# the folder, never sees it) and renamed into place
 # whole; these two functions are the only places that know the pattern.
 def _partial_path(path: Path, pid: int) -> Path:
     return path.with_name(f".{path.name}.{pid}.tmp")
@@ -136,16 +141,8 @@ def _partial_path(path: Path, pid: int) -> Path:
 
 def _partial_writer(tmp: Path) -> int | None:
     """The writing process of a partial sample file; None for any other file."""
-    m = re.fullmatch(r"\.sample_\d+\.pt\.(\d+)\.tmp", tmp.name)
+    m = re.fullmatch(r"\.(?:data_\d+|sample_\d{9})\.pt\.(\d+)\.tmp", tmp.name)
     return int(m.group(1)) if m else None
-
-
-def _write_atomic(path: Path, obj: Any) -> None:
-    import torch  # noqa: PLC0415
-
-    tmp = _partial_path(path, os.getpid())
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -159,11 +156,11 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_partials(output: Path) -> list[Path]:
-    """Delete the temporary files (``.sample_*.pt.<pid>.tmp``) that a killed
+    """Delete the temporary files (``.data_*.pt.<pid>.tmp``) that a killed
     run left behind, i.e. those whose writing process is gone; returns them.
     A file is only ever renamed into place whole, so these are never samples."""
     removed = []
-    for tmp in output.glob(".sample_*.tmp"):
+    for tmp in [*output.glob(".data_*.tmp"), *output.glob(".sample_*.tmp")]:
         pid = _partial_writer(tmp)
         if pid is not None and not _pid_alive(pid):
             tmp.unlink(missing_ok=True)
@@ -177,6 +174,8 @@ CONVENTIONS = {
     "layer_output": "output of decoder layer k before the final norm (HF hidden_states[k+1])",
     "layer_input": "input of decoder layer k, as vLLM's EAGLE-3 serving reads it (HF hidden_states[k])",
 }
+LAYOUT = "speculators-0.3.0: data_{i}.pt (v1 keys) + data_config.json"
+DATA_CONFIG = "data_config.json"
 
 
 def _check_same_settings(output: Path, settings: dict[str, Any]) -> None:
@@ -189,19 +188,90 @@ def _check_same_settings(output: Path, settings: dict[str, Any]) -> None:
     if diff:
         raise ValueError(
             f"{output} holds samples made with other settings {diff}; resuming would mix them. "
-            "Use a new --output folder or the original settings."
+            "Use a new --output-dir folder or the original settings."
         )
+
+
+def _check_folder(output: Path, model: str, layer_ids: list[int], seq_length: int,
+                  data_source: str, token_freq_path: str | None) -> None:
+    """Checks of the output folder that need no heavy import; raise before anything is written."""
+    if token_freq_path is not None:
+        tf = Path(token_freq_path).resolve()
+        if tf.suffix == ".pt" and (tf.parent == output.resolve() or output.resolve() in tf.parents):
+            raise ValueError(
+                f"--token-freq-path {token_freq_path} is inside --output-dir {output}: speculators' "
+                "trainer reads every *.pt file there as a sample and would fail on it; put it elsewhere "
+                "(upstream's default is ./token_freq.pt)"
+            )
+    if not output.is_dir():
+        return
+    if next(output.glob("sample_" + "[0-9]" * 9 + ".pt"), None) is not None:
+        raise ValueError(
+            f"{output} holds sample_NNNNNNNNN.pt files (the layout of eagle3_compat before 0.1.0: "
+            "speculators' pipeline does not read it); write to a new --output-dir"
+        )
+    cfg_path = output / DATA_CONFIG
+    if cfg_path.exists() and not (output / MANIFEST).exists():
+        # a folder speculators' own script started: resume only with its settings
+        cfg = json.loads(cfg_path.read_text())
+        theirs = {
+            "target_model_path": cfg.get("model", {}).get("target_model_path"),
+            "layer_ids": cfg.get("hidden_states", {}).get("layer_ids"),
+            "seq_length": cfg.get("data", {}).get("seq_length"),
+            "train_data_path": cfg.get("data", {}).get("train_data_path"),
+        }
+        ours = {"target_model_path": model, "layer_ids": layer_ids, "seq_length": seq_length,
+                "train_data_path": data_source}
+        diff = {k: {"folder": theirs[k], "now": v} for k, v in ours.items() if theirs[k] != v}
+        if diff:
+            raise ValueError(f"{output}/{DATA_CONFIG} was written with other settings {diff}; resuming "
+                             "would mix them. Use a new --output-dir folder or the original settings.")
+    elif upstream_resume_index(output) > 0 and not (output / MANIFEST).exists():
+        log.warning("%s holds data_*.pt files but neither %s nor %s: their settings cannot be checked",
+                    output, MANIFEST, DATA_CONFIG)
+
+
+UPSTREAM_WRITERS = 4  # MAX_IO_WORKERS of speculators 0.3.0's script: files it may have been writing
+
+
+def check_upstream_tail(output: Path) -> None:
+    """In a folder speculators' own script wrote (no manifest of ours), load
+    the last files it may have been writing when it stopped: its
+    ``torch.save`` writes in place, so a killed run can leave a truncated
+    file that its resume (and ours) would keep.  Raises ``ValueError`` naming it."""
+    import torch  # noqa: PLC0415
+
+    if (output / MANIFEST).exists() or not output.is_dir():
+        return  # ours are renamed into place whole
+    found = sorted((int(p.name[5:-3]), p) for p in output.glob("data_*.pt") if p.name[5:-3].isdigit())
+    for _, path in found[-UPSTREAM_WRITERS:]:
+        try:
+            data = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            missing = {"input_ids", "hidden_states", "loss_mask"} - set(data)
+            if missing:
+                raise ValueError(f"no {sorted(missing)}")
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(
+                f"{path} does not load as a sample ({exc}); speculators' script writes in place, so a "
+                "run killed while writing leaves such a file: delete it and run again to resume"
+            ) from exc
 
 
 GC_EVERY_BYTES = 1 << 30
 
 
 class _Writer:
-    """Writes samples on a thread, atomically, at most ``max_queued`` waiting.
+    """Writes samples on a thread, at most ``max_queued`` waiting, and renames
+    them into place in submission order.
 
     The engine goes on while a sample is written; the queue's bound keeps
-    memory bounded when the disk is slower than extraction.  A failed write
-    is raised at the next submit or at exit, never dropped.
+    memory bounded when the disk is slower than extraction.  Each sample is
+    saved to a temporary file as soon as it arrives (nothing is held for
+    ordering) and the files are renamed into place in the order they were
+    submitted, so the folder always holds a prefix of the job, which is what
+    speculators' own resume (largest index + 1) assumes.  A failed write is
+    raised at the next submit or at exit, never dropped; on failure the
+    unpublished temporary files are removed.
     """
 
     def __init__(self, max_queued: int) -> None:
@@ -211,6 +281,12 @@ class _Writer:
         self._queued: deque = deque()
         self._max = max(1, max_queued)
         self._since_gc = 0  # touched by the writer thread only
+        self._order: deque[Path] = deque()  # submitted, not yet renamed into place (writer thread)
+        self._saved: dict[Path, Path] = {}  # final path -> its temporary file (writer thread)
+
+    def expect(self, path: Path) -> None:
+        """Declare the next file in publication order (before its sample arrives)."""
+        self._queued.append(self._pool.submit(self._order.append, path))
 
     def submit(self, path: Path, obj: dict[str, Any]) -> None:
         while len(self._queued) >= self._max:
@@ -218,7 +294,14 @@ class _Writer:
         self._queued.append(self._pool.submit(self._write, path, obj))
 
     def _write(self, path: Path, obj: dict[str, Any]) -> None:
-        _write_atomic(path, obj)
+        import torch  # noqa: PLC0415
+
+        tmp = _partial_path(path, os.getpid())
+        torch.save(obj, tmp)
+        self._saved[path] = tmp
+        while self._order and self._order[0] in self._saved:
+            done = self._order.popleft()
+            os.replace(self._saved.pop(done), done)
         # The sample's states are views of its shared-memory arena, returned
         # when the tensors go.  torch.save on torch 2.8 (vLLM 0.11) leaves a
         # reference cycle around each saved storage that only the cyclic
@@ -233,42 +316,131 @@ class _Writer:
     def __enter__(self) -> _Writer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         try:
             while self._queued:
                 self._queued.popleft().result()
         finally:
             self._pool.shutdown(wait=True)
+            for tmp in self._saved.values():  # only after a failure: samples not renamed into place
+                tmp.unlink(missing_ok=True)
+        if exc_type is None and self._order:
+            raise RuntimeError(f"internal: {len(self._order)} file(s) expected but never written "
+                               f"(first {self._order[0]})")
+
+
+def _preprocessed_dataset(
+    model: str, train_data_path: str, seq_length: int, num_proc: int, seed: int,
+    max_samples: int | None, token_freq_path: str, cache_dir: str | None,
+    assistant_pattern: str | None, turn_dropout: bool,
+) -> tuple[Any, int]:
+    """speculators 0.3.0's own ``load_and_preprocess_dataset`` (tokenization,
+    loss masks, shuffling, ``max_samples``, ``token_freq.pt``), as its
+    script calls it; returns the dataset and how many conversations its
+    preprocessing dropped (it skips failing ones with a log line only)."""
+    from speculators.data_generation.preprocessing import (  # noqa: PLC0415
+        load_and_preprocess_dataset,
+        load_raw_dataset,
+    )
+
+    raw = load_raw_dataset(train_data_path, num_proc=num_proc, cache_dir=cache_dir)
+    if train_data_path.endswith((".json", ".jsonl")) and "conversations" not in raw.column_names:
+        shape = ("the ultrachat shape ('messages')" if "messages" in raw.column_names
+                 else f"columns {raw.column_names}")
+        raise ValueError(
+            f"--train-data-path {train_data_path}: {shape}, but speculators 0.3.0 reads local files' "
+            "'conversations' column only (its ultrachat normalisation applies to the hub dataset "
+            "'ultrachat'): it would produce no sample. Rename the key to 'conversations' (turns as "
+            "from/value or role/content)."
+        )
+    expected = len(raw) if max_samples is None else min(len(raw), max_samples)
+    if Path(token_freq_path).exists():
+        log.warning("%s exists: speculators keeps it as it is (not recounted for this dataset)",
+                    token_freq_path)
+    dataset, _tok = load_and_preprocess_dataset(
+        target_model_path=model, train_data_path=train_data_path, seq_length=seq_length,
+        build_dataset_num_proc=num_proc, seed=seed, max_samples=max_samples,
+        token_freq_path=token_freq_path, cache_dir=cache_dir,
+        assistant_pattern=assistant_pattern, turn_dropout=turn_dropout,
+    )
+    dropped = expected - len(dataset)
+    if dropped:
+        log.warning("speculators' preprocessing dropped %d of %d conversations (empty, unknown roles "
+                    "or a chat-template error; its log lines above say which); %d samples follow",
+                    dropped, expected, len(dataset))
+    return dataset, dropped
+
+
+def _count_tokens(counter: Any, ids: list[int], mask: list[int]) -> None:
+    # As speculators' save_token_frequency_distribution counts: tokens under
+    # the loss mask, over the preprocessed sample (before any truncation to
+    # max_model_len - 1 by the generator).
+    counter.update(t for t, m in zip(ids, mask) if m)
 
 
 def run_generate(
     model: str,
-    input_path: Path,
     output: Path,
-    layer_ids: list[int] | None,
-    max_model_len: int,
-    batch_size: int | None,
-    tensor_parallel_size: int,
-    dtype: str | None,
+    layer_ids: list[int] | None = None,
+    max_model_len: int = 2048,
+    batch_size: int | None = None,
+    tensor_parallel_size: int | None = 1,
+    dtype: str | None = None,
     capture: str = "layer_output",
     max_in_flight: int = 64,
+    *,
+    input_path: Path | None = None,
+    train_data_path: str | None = None,
+    trainer_checks: bool = True,
+    gpu_memory_utilization: float = 0.8,
+    max_samples: int | None = None,
+    seed: int = 0,
+    token_freq_path: str | None = None,
+    hf_cache_dir: str | None = None,
+    assistant_pattern: str | None = None,
+    turn_dropout: bool = False,
+    num_preprocessing_workers: int = 8,
+    start_idx: int = 0,
 ) -> dict[str, Any]:
-    """Write one v1 training file per input line; resumable; returns the manifest.
+    """Write speculators' training folder; resumable; returns the manifest.
 
-    A folder is tied to its settings (model, layer ids, capture point,
-    max_model_len, dtype): resuming with different ones is an error, never a
-    folder of mixed samples.
+    Input: ``train_data_path`` (a dataset name or ``.json``/``.jsonl`` file,
+    through speculators' own preprocessing, as its script does; with
+    ``token_freq_path``, default ``./token_freq.pt``) or ``input_path`` (our
+    JSONL: token ids, ``input_ids``/``loss_mask`` or conversations;
+    ``token_freq.pt`` only where ``token_freq_path`` is given).  Sample ``i``
+    goes to ``data_{start_idx + i}.pt``.
+
+    Before anything heavy loads or anything is written: the layer plan is
+    checked (:func:`eagle3_compat.upstream.check_layer_plan`; for speculators'
+    trainer unless ``trainer_checks=False``), and a folder made with other
+    settings (model, layer ids, capture point, max_model_len, dtype, input)
+    is refused, never mixed.
 
     The job streams: at most ``max_in_flight`` prompts are in the engine, a
-    new one is admitted as soon as one finishes, and each sample is written
-    (atomically, by a writer thread) as its request finishes.
-    ``batch_size`` is accepted for compatibility and no longer used.
+    new one is admitted as soon as one finishes, and each sample is saved by
+    a writer thread as its request finishes (renamed into place in index
+    order).  ``batch_size`` is accepted for compatibility and unused.
     """
-    early = {"model": model, "capture": capture, "max_model_len": max_model_len, "dtype": dtype}
+    if (input_path is None) == (train_data_path is None):
+        raise ValueError("give exactly one of --train-data-path (speculators' datasets) and --input (JSONL)")
+    if start_idx < 0:
+        raise ValueError(f"--start-idx must be >= 0, got {start_idx}")
+    source = str(train_data_path if train_data_path is not None else input_path)
+    if train_data_path is not None and token_freq_path is None:
+        token_freq_path = "./token_freq.pt"  # speculators' default
+    early: dict[str, Any] = {"model": model, "capture": capture, "max_model_len": max_model_len, "dtype": dtype}
     if layer_ids is not None:
         early["layer_ids"] = list(layer_ids)
     # before torch, vLLM and the engine are loaded: a mismatch fails in a second
     _check_same_settings(output, early)
+    layer_ids = check_layer_plan(layer_ids, model_num_layers(model), capture, trainer_checks=trainer_checks)
+    settings: dict[str, Any] = {**early, "layer_ids": layer_ids, "input": source, "start_idx": start_idx}
+    if train_data_path is not None:
+        settings.update(seed=seed, max_samples=max_samples, turn_dropout=turn_dropout,
+                        assistant_pattern=assistant_pattern)
+    _check_same_settings(output, settings)
+    _check_folder(output, model, layer_ids, max_model_len, source, token_freq_path)
 
     import torch  # noqa: PLC0415
 
@@ -278,35 +450,67 @@ def run_generate(
     if not status.applied:
         raise RuntimeError(f"eagle3_compat could not apply:\n{status}")
     from speculators.data_generation import VllmHiddenStatesGenerator  # noqa: PLC0415
-    from transformers import AutoTokenizer  # noqa: PLC0415
 
+    dropped = 0
+    token_freq: Any = None
+    if train_data_path is not None:
+        dataset, dropped = _preprocessed_dataset(
+            model, train_data_path, max_model_len, num_preprocessing_workers, seed, max_samples,
+            token_freq_path, hf_cache_dir, assistant_pattern, turn_dropout)  # type: ignore[arg-type]
+
+        def samples() -> Iterator[Sample]:
+            for i in range(len(dataset)):
+                row = dataset[i]
+                yield Sample(index=i, input_ids=row["input_ids"].tolist(), loss_mask=row["loss_mask"].tolist())
+    else:
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        if token_freq_path is not None:
+            from collections import Counter  # noqa: PLC0415
+
+            token_freq = Counter()
+
+        def samples() -> Iterator[Sample]:
+            yield from read_jsonl(input_path, tokenizer, max_model_len - 1)  # type: ignore[arg-type]
+
+    if tensor_parallel_size is None:  # speculators' default: every accelerator (0 on a CPU: 1)
+        tensor_parallel_size = max(1, torch.accelerator.device_count()) if hasattr(torch, "accelerator") else 1
+    check_upstream_tail(output)
     output.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(output)
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    resume_at = upstream_resume_index(output)
     # Read, tokenize and extract as one stream: memory is bounded by the
-    # prompts in flight and the writes queued, whatever the file's length.
+    # prompts in flight and the writes queued, whatever the input's length.
     counts = {"seen": 0, "todo": 0}
     pending: dict[int, Sample] = {}
+    writer: _Writer | None = None
 
     def prompts() -> Iterator[list[int]]:
-        for sample in read_jsonl(input_path, tokenizer, max_model_len - 1):
+        for sample in samples():
             counts["seen"] += 1
-            if sample_path(output, sample.index).exists():
+            if token_freq is not None:
+                _count_tokens(token_freq, sample.input_ids, sample.loss_mask)
+            path = data_path(output, start_idx + sample.index)
+            if path.exists():
                 continue
             pending[counts["todo"]] = sample
             counts["todo"] += 1
+            writer.expect(path)  # type: ignore[union-attr]
             yield sample.input_ids
 
     tokens = 0
     t0 = time.perf_counter()
     with VllmHiddenStatesGenerator(
         model, layer_ids=layer_ids, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
-        capture=capture,
+        gpu_memory_utilization=gpu_memory_utilization, capture=capture,
     ) as gen:
-        layer_ids = gen.layer_ids
-        settings = {**early, "layer_ids": layer_ids}
-        _check_same_settings(output, settings)
+        if list(gen.layer_ids) != layer_ids:
+            raise RuntimeError(f"internal: the generator captures {gen.layer_ids}, the plan was {layer_ids}")
         (output / MANIFEST).write_text(json.dumps({**settings, "complete": False}, indent=1) + "\n")
+        if resume_at:
+            log.info("resuming in %s: %d file(s) there already (speculators would resume at data_%d)",
+                     output, sum(1 for _ in output.glob("data_*.pt")), resume_at)
         try:
             from tqdm import tqdm  # noqa: PLC0415
 
@@ -319,11 +523,11 @@ def run_generate(
                 _validate(res, sample, layer_ids)
                 n = len(res["input_ids"])  # may be truncated to max_model_len - 1
                 writer.submit(
-                    sample_path(output, sample.index),
+                    data_path(output, start_idx + sample.index),
                     {
                         "input_ids": res["input_ids"],
-                        "loss_mask": torch.tensor(sample.loss_mask[:n], dtype=torch.long),
                         "hidden_states": res["hidden_states"],
+                        "loss_mask": torch.tensor(sample.loss_mask[:n], dtype=torch.long),
                     },
                 )
                 del res
@@ -333,18 +537,29 @@ def run_generate(
                     bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         if bar is not None:
             bar.close()
+        _write_data_config(gen, output, source, max_model_len, hf_cache_dir, counts["seen"], max_samples, seed)
     log.info("%d samples, %d written now", counts["seen"], counts["todo"])
+    if token_freq is not None:
+        if Path(token_freq_path).exists():  # type: ignore[arg-type]
+            log.warning("%s exists: kept as it is, as speculators does (not recounted)", token_freq_path)
+        else:
+            Path(token_freq_path).parent.mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
+            torch.save(dict(token_freq), token_freq_path)
     found = eagle3_compat.status().found
     manifest = {
         "format": "speculators-eagle3-v1",
+        "layout": LAYOUT,
         **settings,
         "complete": True,
+        "trainer_checks": trainer_checks,
         "layer_convention": CONVENTIONS[capture],
         "samples": counts["seen"],
+        "first_index": start_idx,
         "written_this_run": counts["todo"],
+        "dropped_by_preprocessing": dropped,
+        "token_freq_path": None if token_freq_path is None else str(Path(token_freq_path).resolve()),
         "tokens_this_run": tokens,
         "seconds_this_run": round(time.perf_counter() - t0, 3),
-        "max_model_len": max_model_len,
         "versions": {
             "eagle3_compat": eagle3_compat.__version__,
             "vllm": found.vllm,
@@ -355,3 +570,21 @@ def run_generate(
     }
     (output / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def _write_data_config(gen: Any, output: Path, source: str, seq_length: int, cache_dir: str | None,
+                       num_samples: int, max_samples: int | None, seed: int) -> None:
+    """``data_config.json`` through speculators' own ``DataGenerationConfig``,
+    with the arguments its script passes (``save_config`` in
+    ``scripts/data_generation_offline.py``, v0.3.0)."""
+    from speculators.data_generation.config_generator import DataGenerationConfig  # noqa: PLC0415
+
+    if cache_dir is None:
+        from datasets import config as datasets_config  # noqa: PLC0415
+
+        cache_dir = str(datasets_config.HF_DATASETS_CACHE)
+    config = DataGenerationConfig.from_generator(
+        generator=gen, train_data_path=source, seq_length=seq_length, cache_dir=str(cache_dir),
+        num_samples=num_samples, max_samples=max_samples, seed=seed,
+    )
+    (output / DATA_CONFIG).write_text(json.dumps(config.to_dict(), indent=2))
