@@ -119,6 +119,12 @@ class HostOffload:
             # max_num_batched_tokens, so this settles after the first steps.
             buf = holder[0] = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
         dst = buf[:nbytes].view(tensor.dtype).view(tensor.shape)
+        return Staged(dst, self._copy_on_side_stream(dst, tensor), lambda: pool.free.put(holder))
+
+    def _copy_on_side_stream(self, dst: Tensor, tensor: Tensor) -> Any:
+        """Start ``dst.copy_(tensor)`` after the compute stream's work; its end event."""
+        import torch  # noqa: PLC0415
+
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -128,7 +134,7 @@ class HostOffload:
         # The caching allocator must not hand the source's memory to another
         # tensor before the side stream has read it.
         tensor.record_stream(stream)
-        return Staged(dst, event, lambda: pool.free.put(holder))
+        return event
 
     # -- straight into registered host memory ------------------------------------
     def register(self, host: Tensor) -> Callable[[], None]:
@@ -176,16 +182,7 @@ class HostOffload:
         if not self.cuda:
             dst.copy_(tensor)
             return Staged(dst)
-        import torch  # noqa: PLC0415
-
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            dst.copy_(tensor, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        tensor.record_stream(stream)
-        return Staged(dst, event)
+        return Staged(dst, self._copy_on_side_stream(dst, tensor))
 
     # -- the work that uses the rows ---------------------------------------------
     def run(self, fn: Callable[[], None]) -> None:
