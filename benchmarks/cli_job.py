@@ -9,10 +9,17 @@ a prefix of the larger), in fresh processes:
     caching off, the engine settings the generator uses (the ceiling);
 ``cli``
     ``eagle3-compat generate`` on a JSONL file of the same prompts, writing
-    one file per sample (the streaming job).
+    one file per sample (the streaming job);
+``cli-driver-threads2``, ``cli-no-pool``
+    the same with one change undone, for before/after figures in one run:
+    torch's default threads in the CLI's own process
+    (``EAGLE3_COMPAT_DRIVER_THREADS=2``), a new shared-memory file per
+    sample (``EAGLE3_COMPAT_ARENA_POOL_BYTES=0``).
 
 Both times include the engine's start (the CLI cannot be timed otherwise);
-memory is the peak proportional set size (PSS) of the process tree, sampled
+"s after start" is the time from that moment to the end (the engine's
+start, the imports and the dataset's reading left out); memory is the peak
+proportional set size (PSS) of the process tree, sampled
 every 50 ms, minus the tree's level right after the engine started (when
 the first sample file appears, for ``cli``; when the LLM is built, for
 ``prefill``).  The table gives tokens/s, cli/prefill, and the peak extra
@@ -20,7 +27,7 @@ memory of each run; the target is cli/prefill >= 0.95 and the cli's peak
 within 10 % between the small and the large dataset.
 
     python benchmarks/cli_job.py                      # 200 and 2000 samples (RESULTS.md)
-    python benchmarks/cli_job.py --samples 20 --quick
+    python benchmarks/cli_job.py --samples 600 --modes prefill,cli,cli-driver-threads2,cli-no-pool
 
 Run it inside a test environment (``.tox/vllm016/bin/python``).
 """
@@ -39,6 +46,12 @@ import time
 from pathlib import Path
 
 MAX_MODEL_LEN = 1024
+# The CLI as shipped, and variants for before/after comparisons (environment overrides).
+CLI_MODES = {
+    "cli": {},
+    "cli-driver-threads2": {"EAGLE3_COMPAT_DRIVER_THREADS": "2"},  # before: torch's default here
+    "cli-no-pool": {"EAGLE3_COMPAT_ARENA_POOL_BYTES": "0"},  # before: a new file per sample
+}
 
 
 def tree_pss(pid: int) -> int:
@@ -76,7 +89,7 @@ def prefill_child(model: str, prompts_file: str) -> None:
 def run(cmd: list[str], ready, env: dict) -> dict:
     """Run ``cmd``; ``ready()`` says when the engine is up (memory base)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    base, peak = [None], [0]
+    base, peak, t_ready = [None], [0], [None]
     stop = threading.Event()
 
     def watch():
@@ -84,6 +97,7 @@ def run(cmd: list[str], ready, env: dict) -> dict:
             m = tree_pss(proc.pid)
             if base[0] is None and ready():
                 base[0] = m
+                t_ready[0] = time.perf_counter()
             peak[0] = max(peak[0], m)
             time.sleep(0.05)
 
@@ -96,7 +110,8 @@ def run(cmd: list[str], ready, env: dict) -> dict:
     th.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}): {out[-2000:]}")
-    return {"wall": wall, "peak": peak[0], "base": base[0] or 0, "out": out}
+    after = wall - (t_ready[0] - t0) if t_ready[0] is not None else float("nan")
+    return {"wall": wall, "after_start": after, "peak": peak[0], "base": base[0] or 0, "out": out}
 
 
 def main() -> int:
@@ -105,6 +120,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--modes", default="prefill,cli", help=f"prefill and any of {sorted(CLI_MODES)}")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -124,9 +140,9 @@ def main() -> int:
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     print(f"# vLLM CPU engine, {os.cpu_count()} cores; tiny Llama hidden {args.hidden}, {args.layers} layers, "
           f"bf16 (dtype auto); default layer ids; prompts median ~60 tokens")
-    print("| samples | tokens | prefill tok/s | cli tok/s | cli/prefill | prefill peak extra MiB | "
-          "cli peak extra MiB |")
-    print("|---|---|---|---|---|---|---|")
+    modes = [m for m in args.modes.split(",") if m != "prefill"]
+    print("| samples | tokens | mode | tok/s | /prefill | s after start | /prefill | peak extra MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in sizes:
         prompts = prompts_all[:n]
         tokens = sum(map(len, prompts))
@@ -136,16 +152,22 @@ def main() -> int:
         jfile.write_text("".join(json.dumps(p) + "\n" for p in prompts))
         pre = run([sys.executable, __file__, "--child", str(model), str(pfile)],
                   ready=lambda pfile=pfile: Path(str(pfile) + ".ready").exists(), env=env)
-        out = work / f"out-{n}"
-        cli = run([sys.executable, "-m", "eagle3_compat", "generate", "--model", str(model),
-                   "--input", str(jfile), "--output", str(out), "--max-model-len", str(MAX_MODEL_LEN), "--no-trainer-checks"],
-                  ready=lambda out=out: any(out.glob("data_*.pt")), env=env)
-        written = len(list(out.glob("data_*.pt")))
-        assert written == n, (written, n)
-        pre_tps, cli_tps = tokens / pre["wall"], tokens / cli["wall"]
-        print(f"| {n} | {tokens} | {pre_tps:.0f} | {cli_tps:.0f} | {cli_tps / pre_tps:.2f} | "
-              f"{(pre['peak'] - pre['base']) / 2**20:.0f} | {(cli['peak'] - cli['base']) / 2**20:.0f} |",
-              flush=True)
+        rows = [("prefill", pre)]
+        for mode in modes:
+            out = work / f"out-{n}-{mode}"
+            menv = dict(env, **CLI_MODES[mode])
+            cli = run([sys.executable, "-m", "eagle3_compat", "generate", "--model", str(model),
+                       "--input", str(jfile), "--output", str(out), "--max-model-len", str(MAX_MODEL_LEN),
+                       "--no-trainer-checks"],
+                      ready=lambda out=out: any(out.glob("data_*.pt")), env=menv)
+            written = len(list(out.glob("data_*.pt")))
+            assert written == n, (written, n)
+            rows.append((mode, cli))
+        for mode, r in rows:
+            tps = tokens / r["wall"]
+            print(f"| {n} | {tokens} | {mode} | {tps:.0f} | {pre['wall'] / r['wall']:.2f} | "
+                  f"{r['after_start']:.1f} | {pre['after_start'] / r['after_start']:.2f} | "
+                  f"{(r['peak'] - r['base']) / 2**20:.0f} |", flush=True)
     return 0
 
 

@@ -13,11 +13,15 @@ the user's process, two ways, side by side in one run:
     (vLLM's msgpack over ZMQ), rebuilt in the driver with
     ``frombuffer(bytearray(...))`` and cut per prompt with ``torch.cat``;
 ``arena``
-    the library's path: :class:`eagle3_compat.arena.DriverArena` (shared
+    the library's path: :class:`eagle3_compat.arena.ArenaPool` (shared
     memory), the worker's real per-step code (``_Call.process``: slicing,
     offload, writes at each row's place), the real ``e3c_take`` (metadata
     only), and the driver's real ``collect_results`` (checks, one mapping
     per prompt, finiteness);
+``arena-fresh``
+    the same with a new file for every call (``EAGLE3_COMPAT_ARENA_POOL_BYTES=0``:
+    the library's path before its pool; ``arena`` reuses the file of the
+    previous call, so its first run is the cold one);
 ``rpc``
     the library's fallback for a rank-0 worker on another host
     (``EAGLE3_COMPAT_TRANSPORT=rpc``: a safetensors payload in the reply).
@@ -198,6 +202,8 @@ def main() -> int:
     ap.add_argument("--sizes-gb", default="1,2")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--modes", default="before,arena,arena-fresh,rpc",
+                    help="comma-separated subset of before,arena,arena-fresh,rpc")
     args = ap.parse_args()
     if args.quick:
         args.sizes_gb, args.repeats = "0.1", 1
@@ -207,7 +213,7 @@ def main() -> int:
     sys.path.insert(0, str(HERE))
     from vllm import LLM
 
-    from eagle3_compat.arena import DriverArena, layout_for
+    from eagle3_compat.arena import ArenaPool, layout_for
     from eagle3_compat.capture import make_request_id, rank0_reply
     from eagle3_compat.generator import collect_results
     from eagle3_compat.testing import make_tiny_model
@@ -219,10 +225,12 @@ def main() -> int:
     llm.collective_rpc("bench_prepare")
     call = [0]
 
-    def arena_mode(lengths, force_rpc=False):
+    pools = {"arena": ArenaPool(), "arena-fresh": ArenaPool(keep_bytes=0)}
+
+    def arena_mode(lengths, force_rpc=False, pool="arena"):
         def run():
             layout = layout_for(lengths, LAYERS, HIDDEN, "bfloat16")
-            arena = None if force_rpc else DriverArena(layout)
+            arena = None if force_rpc else pools[pool].lease(layout)
             spec = None if arena is None else arena.spec()
             captured = rank0_reply(llm.collective_rpc("bench_arena", args=(call[0], lengths, spec)))
             if arena is not None:
@@ -240,11 +248,14 @@ def main() -> int:
             return _before_driver(reply, lengths)
         return run
 
-    modes = {"before": before_mode, "arena": arena_mode, "rpc": lambda ls: arena_mode(ls, True)}
+    modes = {"before": before_mode, "arena": arena_mode,
+             "arena-fresh": lambda ls: arena_mode(ls, pool="arena-fresh"),
+             "rpc": lambda ls: arena_mode(ls, True)}
+    modes = {m: modes[m] for m in args.modes.split(",")}
     print(f"# vLLM engine (CPU, {os.cpu_count()} cores); rows {LAYERS} x [tokens, {HIDDEN}] bfloat16 "
           f"({ROW_BYTES} B/token), prompts of {PROMPT_LEN} tokens, steps of {STEP_TOKENS}")
-    print("| GB/call | mode | s (median) | GB/s | peak extra memory / captured | runs |")
-    print("|---|---|---|---|---|---|")
+    print("| GB/call | mode | s (median) | GB/s | peak extra memory / captured | kept between calls / captured | runs |")
+    print("|---|---|---|---|---|---|---|")
     for gb in (float(x) for x in args.sizes_gb.split(",")):
         tokens = int(gb * 1e9 / ROW_BYTES)
         lengths = [PROMPT_LEN] * (tokens // PROMPT_LEN) + ([tokens % PROMPT_LEN] if tokens % PROMPT_LEN else [])
@@ -252,7 +263,7 @@ def main() -> int:
         rows: dict[str, list[tuple[float, int]]] = {m: [] for m in modes}
         names = list(modes)
         for r in range(args.repeats):
-            for m in names[r % 3:] + names[: r % 3]:
+            for m in names[r % len(names):] + names[: r % len(names)]:
                 dt, extra, out = measure(modes[m](lengths))
                 assert [t.shape[0] for t in out[-1]] == [lengths[-1]] * LAYERS
                 sample = out[len(out) // 2][LAYERS - 1]
@@ -265,7 +276,9 @@ def main() -> int:
             t = statistics.median(x[0] for x in rows[m])
             mem = max(x[1] for x in rows[m]) / captured_bytes
             runs = ", ".join(f"{x[0]:.2f}s/{x[1] / captured_bytes:.2f}x" for x in rows[m])
-            print(f"| {captured_bytes / 1e9:.2f} | {m} | {t:.2f} | {captured_bytes / t / 1e9:.2f} | {mem:.2f}x | {runs} |")
+            kept = pools[m].stats()["free_bytes"] / captured_bytes if m in pools else 0.0
+            print(f"| {captured_bytes / 1e9:.2f} | {m} | {t:.2f} | {captured_bytes / t / 1e9:.2f} | {mem:.2f}x "
+                  f"| {kept:.2f}x | {runs} |")
     llm.llm_engine.engine_core.shutdown()
     return 0
 

@@ -105,6 +105,48 @@ def arena_examples(core=capture, arena=arena_mod, directory=None):
         d.discard()
 
 
+    # a pool: a released file is leased again (same key), found in the worker's
+    # cache without its name, and every write lands where it belongs
+    kw = {} if directory is None else {"directory": str(directory)}
+    pool = arena.ArenaPool(**kw)
+    cache: dict = {}
+    try:
+        layout = arena.layout_for([3, 2], 1, 4, "float32")
+        keys = []
+        for round_ in range(2):
+            lease = pool.lease(layout)
+            spec = lease.spec()
+            keys.append(spec["key"])
+            shm = arena.ShmSink.open(spec, layout, torch.float32, 4, cache)
+            assert not isinstance(shm, str), shm
+            for i, n in enumerate(layout.lengths):
+                shm.write(i, 0, 0, n, torch.full((n, 4), 10.0 * round_ + i))
+            shm.close()
+            lease.unlink()
+            out = lease.tensors("float32", 4)
+            assert [float(p[0][0].sum()) for p in out] == [40.0 * round_, 40.0 * round_ + 4], round_
+            del out
+            gc.collect()
+        assert keys[0] == keys[1] and list(cache) == [keys[0]]
+        # the worker refuses a kept mapping whose nonce is not the lease's
+        lease = pool.lease(layout)
+        bad = dict(lease.spec(), nonce="00" * arena.NONCE_BYTES)
+        assert "nonce differs" in arena.ShmSink.open(bad, layout, torch.float32, 4, cache)
+        with pytest.raises(CaptureError, match="for a layout of"):
+            arena.ShmSink.open(dict(lease.spec(), capacity=layout.total - 1), layout, torch.float32, 4, cache)
+        # a failed call's file is never leased again, and the worker is told to unmap it
+        lease.discard()
+        with pytest.raises(CaptureError, match="already given back"):
+            lease.spec()
+        assert pool.pop_forget() == [keys[0]]
+        pool.close()
+        with pytest.raises(CaptureError, match="pool is closed"):
+            pool.lease(layout)
+    finally:
+        pool.close()
+        arena.forget_all(cache)
+
+
 def test_arena_examples():
     arena_examples()
 
@@ -181,3 +223,78 @@ def test_offload_submit_into_checks_the_destination_and_copies():
         with pytest.raises(ValueError, match="does not match"):
             off.submit_into(bad, rows)
     off.close()
+
+
+def _allocated(fd):
+    return os.fstat(fd).st_blocks * 512
+
+
+def test_pool_reuses_released_files_and_frees_what_a_caller_does_not_keep():
+    """The pool's memory: a file whose results are all released is reused by
+    the next lease; a caller that keeps some results of a call keeps only
+    their pages once the pool leases again; close() frees the kept files."""
+    mib = 1 << 20
+    layout = arena_mod.layout_for([1024] * 4, 2, 4096, "float32")  # 4 x 32 MiB
+    pool = arena_mod.ArenaPool()
+    cache: dict = {}
+
+    def call(value):
+        lease = pool.lease(layout)
+        spec = lease.spec()
+        fd = os.open(spec["path"], os.O_RDONLY) if spec["path"] else None  # to watch its pages
+        sink = arena_mod.ShmSink.open(spec, layout, torch.float32, 4096, cache)
+        for i in range(4):
+            for j in range(2):
+                sink.write(i, j, 0, 1024, torch.full((1024, 4096), value + i))
+        sink.close()
+        lease.unlink()
+        return spec["key"], fd, lease.tensors("float32", 4096)
+
+    try:
+        key1, fd1, out = call(1.0)
+        assert _allocated(fd1) >= layout.total
+        del out
+        gc.collect()
+        assert pool.stats()["free_files"] == 1
+        key2, fd2, out = call(2.0)
+        assert key2 == key1 and fd2 is None  # the same file, mapped already
+        assert [float(p[1][5, 7]) for p in out] == [2.0, 3.0, 4.0, 5.0]
+        kept = out[2][1]
+        del out
+        gc.collect()
+        assert float(kept[0, 0]) == 4.0
+        assert pool.stats()["free_files"] == 0  # one prompt still held
+        key3, fd3, out = call(3.0)
+        assert key3 != key1
+        # the held file now holds only the kept prompt's pages (+ its header page)
+        assert _allocated(fd1) < layout.block(0)[1] + 2 * 4096 + 64 * 1024, _allocated(fd1) / mib
+        assert float(kept[5, 5]) == 4.0 and float(out[2][1][5, 5]) == 5.0
+        del out, kept
+        gc.collect()
+        assert pool.stats()["free_files"] == 2
+        pool.close()
+        arena_mod.forget_all(cache)
+        assert pool.stats() == {"leased_bytes": 0, "free_bytes": 0, "free_files": 0, "files_made": 2}
+        assert _allocated(fd1) > 0  # our own fd still pins the pages; the pool holds none
+    finally:
+        pool.close()
+        arena_mod.forget_all(cache)
+        for fd in (fd1, fd3):
+            os.close(fd)
+
+
+def test_pool_keep_bytes_zero_frees_at_release_and_bad_settings_are_named(monkeypatch):
+    layout = arena_mod.layout_for([8], 1, 4, "float32")
+    pool = arena_mod.ArenaPool(keep_bytes=0)
+    lease = pool.lease(layout)
+    key = lease.spec()["key"]
+    lease.unlink()
+    out = lease.tensors("float32", 4)
+    del out
+    gc.collect()
+    assert pool.stats()["free_files"] == 0 and pool.pop_forget() == [key]
+    monkeypatch.setenv(arena_mod.POOL_ENV, "12345")
+    assert arena_mod.pool_keep_bytes() == 12345
+    monkeypatch.setenv(arena_mod.POOL_ENV, "lots")
+    with pytest.raises(ValueError, match="EAGLE3_COMPAT_ARENA_POOL_BYTES must be 'auto' or a number"):
+        arena_mod.pool_keep_bytes()

@@ -26,7 +26,7 @@ def test_benchmark_quick_prints_table(vllm_minor):
 
 
 def test_datapath_quick_prints_table(vllm_minor):
-    """The transport benchmark runs all three paths on the real engine; the
+    """The transport benchmark runs every path on the real engine; the
     script itself asserts that they deliver the same rows."""
     if vllm_minor != (0, 16):
         pytest.skip("the benchmark is documented and run in the vllm016 env")
@@ -34,4 +34,4 @@ def test_datapath_quick_prints_table(vllm_minor):
     proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 0.")]
-    assert [ln.split("|")[2].strip() for ln in table] == ["before", "arena", "rpc"], proc.stdout
+    assert [ln.split("|")[2].strip() for ln in table] == ["before", "arena", "arena-fresh", "rpc"], proc.stdout

@@ -67,6 +67,12 @@ MUTANTS = {
     "wrong-nonce-accepted": (
         arena, "if os.pread(fd, NONCE_BYTES, 0) != bytes.fromhex(spec[\"nonce\"]):", "if False:"),
     "worker-layout-not-compared": (arena, 'if spec.get("total") != layout.total:', "if False:"),
+    "kept-mapping-nonce-not-checked": (
+        arena, 'if mm[:NONCE_BYTES] != bytes.fromhex(spec["nonce"]) or len(mm) != capacity:', "if False:"),
+    "small-file-accepted": (arena, "if capacity < layout.total:", "if False:"),
+    "closed-pool-leases": (arena, "            if self._closed:\n                raise", "            if False:\n                raise"),
+    "given-back-lease-reused": (arena, "        if f is None:\n", "        if False:\n"),
+    "failed-file-reused": (arena, "            self._pool._retire(file)", "            self._pool._give_back(file)"),
 }
 
 

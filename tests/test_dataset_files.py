@@ -140,3 +140,31 @@ def test_truncated_file_of_a_killed_upstream_run_is_named(tmp_path):
         check_upstream_tail(tmp_path)
     (tmp_path / "manifest.json").write_text("{}")  # a folder of ours: files are whole by construction
     check_upstream_tail(tmp_path)
+
+
+def test_cli_process_threads(monkeypatch):
+    """One torch thread in the CLI's process without CUDA; the variable wins; bad values are named."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    from eagle3_compat.dataset import DRIVER_THREADS_ENV, _limit_driver_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv(DRIVER_THREADS_ENV, raising=False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        torch.set_num_threads(2)
+        _limit_driver_threads(torch)
+        assert torch.get_num_threads() == 1
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        torch.set_num_threads(2)
+        _limit_driver_threads(torch)
+        assert torch.get_num_threads() == 2  # with CUDA: left as it is
+        monkeypatch.setenv(DRIVER_THREADS_ENV, "3")
+        _limit_driver_threads(torch)
+        assert torch.get_num_threads() == 3
+        monkeypatch.setenv(DRIVER_THREADS_ENV, "0")
+        with pytest.raises(ValueError, match="EAGLE3_COMPAT_DRIVER_THREADS must be a positive integer"):
+            _limit_driver_threads(torch)
+    finally:
+        torch.set_num_threads(before)

@@ -66,6 +66,31 @@ def test_several_calls_on_one_generator(gen, llama):
     _check(ra2, llama, a, LAYERS, F32_TOL)
 
 
+def test_released_files_are_reused_and_held_results_are_not_touched(gen, llama):
+    """The arena pool on the real engine: a call whose results are partly held
+    keeps its file (the held rows stay right while later calls run); a file
+    whose results are all released takes the next call, rows all new."""
+    import gc
+
+    a = mixed_prompts(6, 300, seed=5)
+    b = mixed_prompts(6, 300, seed=6)
+    ra = gen.generate(a)
+    kept = ra[2]
+    del ra
+    gc.collect()
+    rb = gen.generate(b)  # not into a's file: prompt 2 of it is still held
+    pool = gen._e3c_pool
+    made = pool.stats()["files_made"]
+    del rb
+    gc.collect()
+    assert pool.stats()["free_files"] >= 1
+    c = b[::-1]  # other prompts at the same places of the file
+    rc = gen.generate(c)
+    assert pool.stats()["files_made"] == made  # the released file was reused
+    _check([kept], llama, [a[2]], LAYERS, F32_TOL)
+    _check(rc, llama, c, LAYERS, F32_TOL)
+
+
 def test_tensor_input_and_single_token_prompt(gen, llama):
     import torch
 

@@ -187,7 +187,9 @@ def test_keyboard_interrupt_then_close_twice_leaves_no_engine_processes(model, g
         with monkeypatch.context() as m:
             m.setattr(driver, "_rpc", interrupted_in_arm)
             with pytest.raises(KeyboardInterrupt):
-                g.generate([[5, 6, 7]])
+                # longer than the first call: a new file (the first call's, released, is
+                # kept mapped for reuse and has no name any more)
+                g.generate([[5, 6, 7] * 33])
         assert shm_names() == []
         assert g._e3c_closed  # Ctrl-C closed the engine
         with pytest.raises(RuntimeError, match="closed"):

@@ -35,13 +35,15 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .capture import CaptureError
 
-__all__ = ["ArenaLayout", "DriverArena", "LocalSink", "ShmSink", "SHM_DIR", "PREFIX", "transport_choice"]
+__all__ = ["ArenaLayout", "ArenaPool", "DriverArena", "LocalSink", "ShmSink", "SHM_DIR", "PREFIX", "transport_choice"]
 
 SHM_DIR = "/dev/shm"
 PREFIX = "eagle3_compat-"
@@ -146,39 +148,59 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
-class DriverArena:
-    """The driver's side of one call's arena (see the module docstring)."""
+POOL_ENV = "EAGLE3_COMPAT_ARENA_POOL_BYTES"
 
-    def __init__(self, layout: ArenaLayout, directory: str = SHM_DIR) -> None:
-        sweep_stale(directory)
-        self.layout = layout
+
+def pool_keep_bytes() -> int | None:
+    """``EAGLE3_COMPAT_ARENA_POOL_BYTES``, checked: ``None`` for ``auto`` (the
+    default), else how many bytes of released arenas a pool keeps for reuse."""
+    value = os.environ.get(POOL_ENV, "auto").strip().lower() or "auto"
+    if value == "auto":
+        return None
+    try:
+        keep = int(value)
+    except ValueError:
+        keep = -1
+    if keep < 0:
+        raise ValueError(f"{POOL_ENV} must be 'auto' or a number of bytes >= 0, got {value!r}")
+    return keep
+
+
+def _capacity(total: int) -> int:
+    """The size of a new file for ``total`` bytes: rounded up to a size class
+    (an eighth of its power of two, whole pages; at most 12.5 % more), so that
+    files are reused by calls of similar sizes."""
+    step = max(PAGE, 1 << max(0, total.bit_length() - 4))
+    return -(-total // step) * step
+
+
+class _File:
+    """One shared-memory file: created with its pages allocated, mapped here once
+    (page tables filled), its name removed once the worker has mapped it."""
+
+    def __init__(self, capacity: int, directory: str) -> None:
+        self.key = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        self.path: str | None = os.path.join(directory, self.key)
         self.nonce = secrets.token_bytes(NONCE_BYTES)
-        self.path: str | None = os.path.join(
-            directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        )
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.capacity = capacity
+        self.mm: mmap.mmap | None = None
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.write(self._fd, self.nonce)
-            os.ftruncate(self._fd, layout.total)
+            os.write(fd, self.nonce)
+            os.ftruncate(fd, capacity)
             # Allocate the pages now, in one call: the worker's first touch of
             # each page would otherwise fault it in (measured: 2.3 s for 1 GB
             # of writes on this machine's tmpfs, 0.3 s with the pages present).
             if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(self._fd, 0, layout.total)
+                os.posix_fallocate(fd, 0, capacity)
+            self.mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except BaseException:
-            self.discard()
+            self.unlink()
             raise
-
-    @staticmethod
-    def available(directory: str = SHM_DIR) -> bool:
-        return os.path.isdir(directory) and os.access(directory, os.W_OK)
-
-    def spec(self) -> dict[str, Any]:
-        """What the worker needs to find and recognise the file."""
-        return {"path": self.path, "nonce": self.nonce.hex(), "total": self.layout.total}
+        finally:
+            os.close(fd)
 
     def unlink(self) -> None:
-        """Remove the name (idempotent); mapped memory stays until unmapped."""
         path, self.path = self.path, None
         if path is not None:
             try:
@@ -186,38 +208,249 @@ class DriverArena:
             except FileNotFoundError:
                 pass
 
-    def discard(self) -> None:
-        """Give everything back (the call failed or was interrupted)."""
+    def close(self) -> None:
+        """Drop the name and this process's mapping (the pages go with the last mapping)."""
         self.unlink()
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        mm, self.mm = self.mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # tensors still use it: it goes with them
+                pass
+
+
+class _Handed:
+    """The prompts of a lease handed out as tensors; the file returns to its
+    pool when the last prompt's tensors are gone."""
+
+    def __init__(self, pool: ArenaPool, file: _File, layout: ArenaLayout) -> None:
+        self.pool, self.file, self.layout = pool, file, layout
+        self.alive = set(range(len(layout.lengths)))
+        self.punched: set[int] = set()
+
+    def release(self, i: int) -> None:
+        with self.pool._lock:
+            self.alive.discard(i)
+            if not self.alive:
+                self.pool._held.pop(id(self), None)
+                self.pool._give_back(self.file)
+
+    def punch_released(self) -> None:
+        """Return the pages of released prompts while others are still held
+        (a caller keeping some results of a call keeps only those)."""
+        mm = self.file.mm
+        if mm is None or not hasattr(mmap, "MADV_REMOVE"):
+            return
+        for i in range(len(self.layout.lengths)):
+            if i not in self.alive and i not in self.punched:
+                off, size = self.layout.block(i)
+                try:
+                    mm.madvise(mmap.MADV_REMOVE, off, size)
+                except OSError:
+                    return
+                self.punched.add(i)
+        tail = _align(self.layout.total)
+        if -1 not in self.punched and tail < self.file.capacity:
+            try:
+                mm.madvise(mmap.MADV_REMOVE, tail, self.file.capacity - tail)
+            except OSError:
+                return
+            self.punched.add(-1)  # the slack of the file's size class
+
+
+class ArenaPool:
+    """The driver's shared-memory files, kept for reuse.
+
+    Making a file costs more than filling it: allocating its pages, and
+    mapping them in two processes (each page's first touch is a page
+    fault), take ~0.8 s per GB on this project's CPU machine against
+    ~0.13 s for the copy of the rows (``benchmarks/datapath.py``).  A file
+    whose results have all been released goes back to the pool, still
+    mapped here and in the rank-0 worker, and the next call of a similar
+    size writes into it.  Every row of a call is written in that call
+    (the driver checks that the captured runs tile every prompt: see
+    :func:`eagle3_compat.capture.check_segments`), so nothing of an earlier
+    call can show through.
+
+    ``keep_bytes``: how many bytes of released files to keep (``None``:
+    as many as were ever leased at once, i.e. one call's worth for
+    ``generate()``; ``0``: none, every file is freed when its results
+    are).  :meth:`close` frees what is kept.
+    """
+
+    def __init__(self, keep_bytes: int | None = None, directory: str = SHM_DIR) -> None:
+        sweep_stale(directory)
+        self.directory = directory
+        self.keep_bytes = keep_bytes
+        self._lock = threading.RLock()
+        self._free: list[_File] = []  # oldest first
+        self._held: dict[int, _Handed] = {}  # partly released leases
+        self._forget: list[str] = []  # files the worker may unmap
+        self._leased = 0
+        self._high_water = 0
+        self._made = 0
+        self._closed = False
+
+    @staticmethod
+    def available(directory: str = SHM_DIR) -> bool:
+        return os.path.isdir(directory) and os.access(directory, os.W_OK)
+
+    def lease(self, layout: ArenaLayout) -> DriverArena:
+        """An arena for ``layout``: a kept file of the right size, or a new one."""
+        return DriverArena(layout, pool=self)
+
+    def stats(self) -> dict[str, int]:
+        """Bytes leased now, bytes kept free, files kept, files made so far."""
+        with self._lock:
+            return {
+                "leased_bytes": self._leased,
+                "free_bytes": sum(f.capacity for f in self._free),
+                "free_files": len(self._free),
+                "files_made": self._made,
+            }
+
+    def pop_forget(self) -> list[str]:
+        """Keys of files this pool freed since the last call (the worker unmaps them)."""
+        with self._lock:
+            out, self._forget = self._forget, []
+        return out
+
+    def close(self) -> None:
+        """Free every kept file; files still leased are freed when released."""
+        with self._lock:
+            self._closed = True
+            for f in self._free:
+                f.close()
+            self._free.clear()
+
+    def _take(self, total: int) -> _File:
+        with self._lock:
+            if self._closed:
+                raise CaptureError("the arena pool is closed")
+            for handed in list(self._held.values()):
+                handed.punch_released()
+            fits = [f for f in self._free if total <= f.capacity <= 2 * total]
+            file = min(fits, key=lambda f: f.capacity) if fits else None
+            if file is not None:
+                self._free.remove(file)
+            else:
+                file = _File(_capacity(total), self.directory)
+                self._made += 1
+            self._leased += file.capacity
+            self._high_water = max(self._high_water, self._leased)
+            return file
+
+    def _give_back(self, file: _File) -> None:
+        with self._lock:
+            self._leased -= file.capacity
+            if self._closed or file.mm is None:
+                self._drop(file)
+                return
+            self._free.append(file)
+            keep = self._high_water if self.keep_bytes is None else self.keep_bytes
+            while self._free and sum(f.capacity for f in self._free) > keep:
+                self._drop(self._free.pop(0))
+
+    def _retire(self, file: _File) -> None:
+        """A file whose call failed: never reused (the worker may still hold rows for it)."""
+        with self._lock:
+            self._leased -= file.capacity
+            self._drop(file)
+
+    def _drop(self, file: _File) -> None:
+        file.close()
+        self._forget.append(file.key)
+
+
+class DriverArena:
+    """The driver's side of one call's (or one stream prompt's) arena: a file
+    of an :class:`ArenaPool` leased for ``layout`` (see the module docstring).
+
+    ``DriverArena(layout)`` without a pool: a file of its own, freed when its
+    results are.
+    """
+
+    def __init__(
+        self, layout: ArenaLayout, directory: str = SHM_DIR, pool: ArenaPool | None = None
+    ) -> None:
+        self.layout = layout
+        self._pool = pool if pool is not None else ArenaPool(keep_bytes=0, directory=directory)
+        self._file: _File | None = self._pool._take(layout.total)
+        self._handed = False
+
+    @staticmethod
+    def available(directory: str = SHM_DIR) -> bool:
+        return ArenaPool.available(directory)
+
+    @property
+    def path(self) -> str | None:
+        return None if self._file is None else self._file.path
+
+    def spec(self) -> dict[str, Any]:
+        """What the worker needs to find and recognise the file (and which
+        files of the pool it may forget)."""
+        f = self._file
+        if f is None:
+            raise CaptureError("the arena of this call was already given back")
+        return {
+            "path": f.path,
+            "key": f.key,
+            "nonce": f.nonce.hex(),
+            "total": self.layout.total,
+            "capacity": f.capacity,
+            "keep": self._pool.keep_bytes != 0,
+            "forget": self._pool.pop_forget(),
+        }
+
+    def unlink(self) -> None:
+        """Remove the name (idempotent); mapped memory stays until unmapped."""
+        if self._file is not None:
+            self._file.unlink()
+
+    def discard(self) -> None:
+        """Give everything back (the call failed or was interrupted); a no-op
+        once the results were handed out (they give the file back)."""
+        file, self._file = self._file, None
+        if file is not None and not self._handed:
+            self._pool._retire(file)
 
     def tensors(self, dtype_name: str, hidden: int) -> list[list[Any]]:
         """``out[i][j]``: prompt ``i``, layer slot ``j``, ``[len_i, hidden]``, on the arena.
 
-        One mapping per prompt: a prompt's memory returns to the system when
-        its tensors are gone, whatever happens to the other prompts'.
+        Each tensor's storage is exactly its own rows (so ``torch.save``
+        writes that tensor only); the file goes back to the pool when every
+        prompt's tensors are gone.
         """
+        import numpy as np  # noqa: PLC0415
         import torch  # noqa: PLC0415
 
         dtype = _dtype(dtype_name)
-        if self._fd is None:
+        file = self._file
+        if file is None or file.mm is None:
             raise CaptureError("the arena of this call was already given back")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        out = []
+        out, blocks = [], []
         try:
             for i, n in enumerate(self.layout.lengths):
                 off, size = self.layout.block(i)
-                mm = mmap.mmap(self._fd, size, flags=flags, offset=off)
+                block = np.frombuffer(file.mm, dtype=np.uint8, count=size, offset=off)
                 per_layer = []
                 for j in range(self.layout.num_layers):
                     r_off, _ = self.layout.region(i, j)
-                    t = torch.frombuffer(mm, dtype=dtype, count=n * hidden, offset=r_off - off)
+                    t = torch.frombuffer(block, dtype=dtype, count=n * hidden, offset=r_off - off)
                     per_layer.append(t.view(n, hidden))
                 out.append(per_layer)
-        finally:
+                blocks.append(block)
+        except BaseException:
+            del out, blocks
             self.discard()
+            raise
+        handed = _Handed(self._pool, file, self.layout)
+        with self._pool._lock:
+            self._pool._held[id(handed)] = handed
+            self._handed = True
+            self._file = None
+            for i, block in enumerate(blocks):
+                weakref.finalize(block, handed.release, i)
         return out
 
 
@@ -262,21 +495,53 @@ class _Sink:
 class ShmSink(_Sink):
     """The driver's arena file, mapped in the rank-0 worker."""
 
-    def __init__(self, layout: ArenaLayout, dtype: Any, hidden: int, mm: mmap.mmap) -> None:
+    def __init__(
+        self, layout: ArenaLayout, dtype: Any, hidden: int, mm: mmap.mmap, owned: bool = True
+    ) -> None:
         import torch  # noqa: PLC0415
 
         super().__init__(layout, dtype, hidden)
-        self._mm = mm
+        self._mm: mmap.mmap | None = mm
+        self._owned = owned  # False: the worker's cache of pool files keeps the mapping
         self.buf = torch.frombuffer(mm, dtype=torch.uint8)
 
     @classmethod
-    def open(cls, spec: dict[str, Any], layout: ArenaLayout, dtype: Any, hidden: int) -> ShmSink | str:
-        """The mapped arena, or why it cannot be used here (a string)."""
+    def open(
+        cls,
+        spec: dict[str, Any],
+        layout: ArenaLayout,
+        dtype: Any,
+        hidden: int,
+        cache: dict[str, mmap.mmap] | None = None,
+    ) -> ShmSink | str:
+        """The mapped arena, or why it cannot be used here (a string).
+
+        ``cache``: the worker's mappings of the driver's pool files by key;
+        a file the driver leases again is found there (its name is gone by
+        then), a new one is mapped and kept there when the spec says
+        ``keep``.
+        """
         if spec.get("total") != layout.total:
             raise CaptureError(
                 f"the driver sized the arena {spec.get('total')} bytes, the worker computes "
                 f"{layout.total}: they disagree on the layout"
             )
+        if cache is not None:
+            for key in spec.get("forget", ()):
+                mm = cache.pop(key, None)
+                if mm is not None:
+                    _close_mapping(mm)
+        capacity = int(spec.get("capacity", layout.total))
+        if capacity < layout.total:
+            raise CaptureError(f"an arena file of {capacity} bytes for a layout of {layout.total}")
+        key = spec.get("key")
+        mm = None if cache is None or key is None else cache.get(key)
+        if mm is not None:
+            if mm[:NONCE_BYTES] != bytes.fromhex(spec["nonce"]) or len(mm) != capacity:
+                return f"the mapping kept for arena {key} is not the driver's file (nonce differs)"
+            return cls(layout, dtype, hidden, mm, owned=False)
+        if spec.get("path") is None:
+            return f"arena {key} has no name left and is not mapped in this worker"
         try:
             fd = os.open(spec["path"], os.O_RDWR)
         except OSError as exc:
@@ -284,18 +549,35 @@ class ShmSink(_Sink):
         try:
             if os.pread(fd, NONCE_BYTES, 0) != bytes.fromhex(spec["nonce"]):
                 return f"{spec['path']} is not the driver's file here (nonce differs)"
-            if os.fstat(fd).st_size != layout.total:
+            if os.fstat(fd).st_size != capacity:
                 return f"{spec['path']} has the wrong size"
-            mm = mmap.mmap(fd, layout.total, flags=mmap.MAP_SHARED)
+            mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
-        return cls(layout, dtype, hidden, mm)
+        keep = cache is not None and key is not None and bool(spec.get("keep"))
+        if keep:
+            cache[key] = mm  # type: ignore[index]
+        return cls(layout, dtype, hidden, mm, owned=not keep)
 
     def close(self) -> None:
         self.buf = None
         mm, self._mm = self._mm, None
-        if mm is not None:
+        if mm is not None and self._owned:
             mm.close()
+
+
+def _close_mapping(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # rows still in flight use it: it goes with them
+        pass
+
+
+def forget_all(cache: dict[str, mmap.mmap]) -> None:
+    """The worker's teardown: unmap every kept pool file."""
+    for mm in cache.values():
+        _close_mapping(mm)
+    cache.clear()
 
 
 class LocalSink(_Sink):

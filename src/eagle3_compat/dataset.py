@@ -378,6 +378,27 @@ def _count_tokens(counter: Any, ids: list[int], mask: list[int]) -> None:
     counter.update(t for t, m in zip(ids, mask) if m)
 
 
+DRIVER_THREADS_ENV = "EAGLE3_COMPAT_DRIVER_THREADS"
+
+
+def _limit_driver_threads(torch: Any) -> None:
+    """This process's torch threads: 1 where the engine computes on the same
+    cores (no CUDA), unless ``EAGLE3_COMPAT_DRIVER_THREADS`` says otherwise.
+
+    vLLM's CPU workers bind one OpenMP thread per core; torch's threads in
+    this process (the finiteness check of each sample) would take those
+    cores between the engine's parallel regions, and an OpenMP region waits
+    for its slowest thread.
+    """
+    value = os.environ.get(DRIVER_THREADS_ENV, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{DRIVER_THREADS_ENV} must be a positive integer, got {value!r}")
+        torch.set_num_threads(int(value))
+    elif not torch.cuda.is_available():
+        torch.set_num_threads(1)
+
+
 def run_generate(
     model: str,
     output: Path,
@@ -446,6 +467,7 @@ def run_generate(
 
     import eagle3_compat  # noqa: PLC0415
 
+    _limit_driver_threads(torch)
     status = eagle3_compat.apply(dtype=dtype)
     if not status.applied:
         raise RuntimeError(f"eagle3_compat could not apply:\n{status}")

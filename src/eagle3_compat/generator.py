@@ -26,7 +26,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from .arena import DriverArena, layout_for, tensors_from_payload, transport_choice
+from .arena import ArenaPool, DriverArena, layout_for, pool_keep_bytes, tensors_from_payload, transport_choice
 from .capture import CaptureError, check_segments, make_request_id, parse_request_id, rank0_reply
 from .logs import get_logger
 from .worker import CAPTURE_POINTS, WORKER_EXTENSION
@@ -458,8 +458,8 @@ def _add_group(self: Any, call: int, group: int, prompts: list[tuple[int, int]],
     rank-0 worker map it, remove its name; the arena, or None."""
     transport = transport_choice()
     arena = None
-    if transport != "rpc" and DriverArena.available():
-        arena = self._e3c_arena = DriverArena(layout)
+    if transport != "rpc" and ArenaPool.available():
+        arena = self._e3c_arena = _pool(self).lease(layout)
     spec = None if arena is None else dict(arena.spec(), required=transport == "shm")
     armed = rank0_reply(_rpc(self, "e3c_add", call, group, [list(p) for p in prompts], spec))
     if arena is not None:
@@ -481,11 +481,11 @@ def _exchange(
     per admitted prompt.  Each admitted prompt enters ``in_flight`` as soon
     as its arena exists (so a failure later still gives it back)."""
     transport = transport_choice()
-    use_shm = transport != "rpc" and DriverArena.available()
+    pool = _pool(self) if transport != "rpc" and ArenaPool.available() else None
     arenas, items = [], []
     for index, prompt in admitted:
         layout = _layout(self, [prompt])
-        arena = DriverArena(layout) if use_shm else None
+        arena = None if pool is None else pool.lease(layout)
         in_flight[index] = (prompt, layout, arena)
         spec = None if arena is None else dict(arena.spec(), required=transport == "shm")
         items.append([index, [[index, len(prompt)]], spec])
@@ -506,6 +506,14 @@ def _exchange(
             if armed["transport"] != "shm":
                 _warn_rpc_once(self, armed["why"])
     return reply["taken"]
+
+
+def _pool(self: Any) -> ArenaPool:
+    """The generator's pool of shared-memory files (made at first use)."""
+    pool = self.__dict__.get("_e3c_pool")
+    if pool is None:
+        pool = self._e3c_pool = ArenaPool(keep_bytes=pool_keep_bytes())
+    return pool
 
 
 def _discard_arena(self: Any) -> None:
@@ -629,8 +637,11 @@ def _abort(self: Any, req_ids: list[str]) -> None:
 
 
 def generator_close(self: Any) -> None:
-    """Shut the engine down (idempotent)."""
+    """Shut the engine down (idempotent); free the kept shared memory."""
     _discard_arena(self)
+    pool = self.__dict__.pop("_e3c_pool", None)
+    if pool is not None:
+        pool.close()
     if getattr(self, "_e3c_closed", True):
         return
     self._e3c_closed = True

@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .arena import LocalSink, ShmSink, layout_for
+from .arena import LocalSink, ShmSink, forget_all, layout_for
 from .capture import CaptureError, StepLayout, StepSlicer
 from .logs import attach_to_vllm_logging, get_logger
 from .offload import HostOffload, Staged
@@ -243,6 +243,7 @@ class CaptureWorkerExtension:
         self._e3c_rank0 = get_tp_group().rank_in_group == 0
         self._e3c_call: _Call | None = None
         self._e3c_step: _Step | None = None
+        self._e3c_maps: dict[str, Any] = {}  # the driver's pool files mapped here, by key
         self._e3c_debug = os.environ.get("EAGLE3_COMPAT_DEBUG", "") not in ("", "0")
         self._e3c_offload = HostOffload(param.device) if self._e3c_rank0 else None
         self._e3c_dtype = str(param.dtype).removeprefix("torch.")
@@ -411,7 +412,7 @@ class CaptureWorkerExtension:
         why = "forced by EAGLE3_COMPAT_TRANSPORT=rpc" if arena is None else ""
         sink: Any = None
         if arena is not None:
-            opened = ShmSink.open(arena, layout, dtype, self._e3c_hidden)
+            opened = ShmSink.open(arena, layout, dtype, self._e3c_hidden, self._e3c_maps)
             if isinstance(opened, str):
                 why = opened
                 if arena.get("required"):
@@ -488,6 +489,7 @@ class CaptureWorkerExtension:
         :meth:`e3c_arm` raise.  Idempotent."""
         self._e3c_active = False
         self.e3c_disarm()
+        forget_all(getattr(self, "_e3c_maps", {}))
         for h in getattr(self, "_e3c_handles", ()):
             h.remove()
         self._e3c_handles = []
