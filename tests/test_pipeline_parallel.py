@@ -179,7 +179,7 @@ def test_killed_pipeline_stage_worker_is_a_clear_error(tiny_models, two_cores, s
     model = tiny_models("llama")
     keep = {p.pid for p in _engine_children()}
     layers = [1, 4]
-    g = _pp2(model, layers, max_model_len=256)
+    g = _pp2(model, layers, max_model_len=512)
     prompts = mixed_prompts(6, 200, seed=7)
     compare(g.generate(prompts), hf_layer_outputs(model, prompts, layers), prompts, layers, HF_TOL)
     (victim,) = [i["pid"] for i in g._e3c_setup_infos if i["stage"] == stage]
