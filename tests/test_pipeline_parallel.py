@@ -178,7 +178,10 @@ def _engine_children():
 @pytest.mark.parametrize("stage", [0, 1])
 def test_killed_pipeline_stage_worker_is_a_clear_error(tiny_models, two_cores, stage):
     """PP 2: the worker of either stage dies (SIGKILL) after a correct call:
-    the next calls raise EngineDiedError, no process and no arena is left."""
+    the next calls raise EngineDiedError, no process and no arena is left.
+    With stage 0 as the victim, only stage 1's layers are asked for: stage 0
+    captures nothing (its worker replies None) and the results are still
+    whole."""
     import psutil
 
     from eagle3_compat.generator import EngineDiedError
@@ -186,8 +189,9 @@ def test_killed_pipeline_stage_worker_is_a_clear_error(tiny_models, two_cores, s
 
     model = tiny_models("llama")
     keep = {p.pid for p in _engine_children()}
-    layers = [1, 4]
+    layers = [4, 5] if stage == 0 else [1, 4]
     g = _pp2(model, layers, max_model_len=512)
+    assert [i["capturing"] for i in g._e3c_setup_infos] == [stage == 1, True]
     prompts = mixed_prompts(6, 200, seed=7)
     compare(g.generate(prompts), hf_layer_outputs(model, prompts, layers), prompts, layers, HF_TOL)
     (victim,) = [i["pid"] for i in g._e3c_setup_infos if i["stage"] == stage]

@@ -14,8 +14,8 @@ does chunked prefill and both step phases itself, and returns
 
 The tensor-rank-0 worker (of each pipeline stage) writes each step's rows
 straight into a shared-memory arena the driver created for the call
-(:mod:`eagle3_compat.arena`); the driver checks the metadata with :func:`eagle3_compat.capture.check_segments`
-and hands out tensors that are views of that memory, one mapping per prompt.
+(:mod:`eagle3_compat.arena`); the driver checks the metadata with
+:func:`eagle3_compat.capture.check_segments` and hands out tensors that are views of that memory, one mapping per prompt.
 """
 
 from __future__ import annotations
@@ -194,7 +194,11 @@ def generator_init(
     self._e3c_setup_infos = infos  # one per worker: stage, owned layers, slots, pid
     # Every requested layer is run by exactly one pipeline stage: checked
     # now, before any prompt (and again on every reply).
-    check_stage_layers({i["stage"]: i["slots"] for i in infos if i["capturing"]}, self.layer_ids)
+    try:
+        check_stage_layers({i["stage"]: i["slots"] for i in infos if i["capturing"]}, self.layer_ids)
+    except CaptureError:
+        generator_close(self)
+        raise
     log.info("capture ready: %s", infos[0] if len(infos) == 1 else infos)
 
 
