@@ -298,3 +298,50 @@ def test_pool_keep_bytes_zero_frees_at_release_and_bad_settings_are_named(monkey
     monkeypatch.setenv(arena_mod.POOL_ENV, "lots")
     with pytest.raises(ValueError, match="EAGLE3_COMPAT_ARENA_POOL_BYTES must be 'auto' or a number"):
         arena_mod.pool_keep_bytes()
+
+
+def test_pipeline_stages_on_two_transports_are_merged_by_layer(tmp_path):
+    """What a stage on another host gives (README, pipeline parallel): stage 0
+    writes its layer slots to the driver's arena, stage 1 (which could not map
+    it) sends its slots as a payload; collect_results puts every slot in its
+    place, bit for bit, and refuses a payload that lacks one of the stage's
+    slots."""
+    from eagle3_compat.generator import collect_results
+
+    prompts = [[4, 5, 6, 7, 8], [9], [10, 11, 12]]
+    layer_ids, hidden, name = [5, 0, 2, 3], 4, "float32"
+    dtype = torch.float32
+    layout = arena_mod.layout_for([len(p) for p in prompts], len(layer_ids), hidden, name)
+    g = torch.Generator().manual_seed(3)
+    data = [[torch.randn(len(p), hidden, generator=g) for _j in range(4)] for p in prompts]  # finite
+    stage_slots = {0: [1, 2], 1: [0, 3]}
+    segments = [[i, 0, len(p), list(p)] for i, p in enumerate(prompts)]
+
+    def cap(stage, transport, payload=None):
+        return {"stage": stage, "slots": stage_slots[stage], "segments": segments, "transport": transport,
+                "payload": payload, "steps": 1, "foreign_rows": 0, "error": None, "token_ids_checked": True,
+                "dtype": name, "hidden_size": hidden}
+
+    def run(payload_slots):
+        d = arena_mod.DriverArena(layout, directory=str(tmp_path))
+        shm = arena_mod.ShmSink.open(d.spec(), layout, dtype, hidden)
+        local = arena_mod.LocalSink(layout, dtype, hidden)
+        for i, p in enumerate(prompts):
+            for j in stage_slots[0]:
+                shm.write(i, j, 0, len(p), data[i][j])
+            for j in stage_slots[1]:
+                local.write(i, j, 0, len(p), data[i][j])
+        shm.close()
+        d.unlink()
+        merged = capture.merge_stage_captures(
+            [cap(0, "shm"), cap(1, "rpc", local.payload(payload_slots))], layer_ids)
+        assert merged["transport"] == "mixed"
+        return collect_results(prompts, layer_ids, layout, d, merged, call=0)
+
+    got = run(stage_slots[1])
+    for i in range(len(prompts)):
+        for j in range(4):
+            assert torch.equal(got[i][j].view(torch.uint8), data[i][j].view(torch.uint8)), (i, j)
+    with pytest.raises(CaptureError, match="do not match this call's prompts and layers"):
+        run([0])  # stage 1's payload lacks slot 3 (layer 3)
+    assert not list(tmp_path.iterdir())

@@ -327,6 +327,7 @@ def core_examples(core=capture, arena=arena_mod):
         core.StepLayout(("a",), (-1,))
     with pytest.raises(CaptureError, match="repeats a request id"):
         core.StepLayout(("a", "a"), (1, 1))
+    pipeline_examples(core)
 
 
 def test_core_examples():
@@ -343,6 +344,71 @@ def test_both_reply_conventions_and_refusals():
         capture.rank0_reply([{"segments": []}, {"segments": []}])
     with pytest.raises(CaptureError, match="unexpected"):
         capture.rank0_reply([])
+
+
+def _stage_cap(stage, slots, segments, **kw):
+    return {"stage": stage, "slots": slots, "segments": segments, "transport": "shm", "steps": 2,
+            "foreign_rows": 0, "error": None, "token_ids_checked": True, "dtype": "float32",
+            "hidden_size": 8, **kw}
+
+
+def pipeline_examples(core=capture):
+    """Pipeline-parallel replies: merged by layer, every fault refused with
+    its own error (also run against every mutant)."""
+    # TP 2 x PP 2: workers 0 and 2 (tensor rank 0 of stages 0 and 1) capture.
+    layers = [5, 0, 2, 3]  # stage 0 runs 0..2, stage 1 runs 3..5
+    segs = [[0, 0, 3, [4, 5, 6]], [1, 0, 1, [7]]]
+    s0, s1 = _stage_cap(0, [1, 2], segs), _stage_cap(1, [0, 3], segs, steps=3)
+    replies = core.stage_replies([s0, None, s1, None])
+    assert replies == [s0, s1]
+    assert core.stage_replies([None, None, s1, None]) == [s1]  # stage 0 holds no requested layer
+    assert core.stage_replies([s1, None, s0, None]) == [s0, s1]  # keyed by the stage each names
+    merged = core.merge_stage_captures(replies, layers)
+    assert [(st["stage"], st["layers"]) for st in merged["stages"]] == [(0, [0, 2]), (1, [5, 3])]
+    assert merged["steps"] == 3 and merged["error"] is None and merged["transport"] == "shm"
+    assert core.merge_stage_captures([_stage_cap(1, [0], segs), _stage_cap(0, [1], segs, transport="rpc")],
+                                     [0, 1])["transport"] == "mixed"
+    # one stage, no "slots"/"stage" (a reply of the single-stage shape): every layer
+    single = core.merge_stage_captures([{k: v for k, v in s0.items() if k not in ("stage", "slots")}], layers)
+    assert single["stages"][0]["layers"] == layers
+
+    segs = [[0, 0, 3, [4, 5, 6]]]
+    s0 = _stage_cap(0, [1, 2], segs)
+    merge = core.merge_stage_captures
+    with pytest.raises(CaptureError, match=r"layer\(s\) \[3\] were captured by no pipeline stage"):
+        merge([s0, _stage_cap(1, [0], segs)], layers)
+    with pytest.raises(CaptureError, match="layer 2 was captured by pipeline stages 0 and 1"):
+        merge([s0, _stage_cap(1, [0, 2, 3], segs)], layers)
+    with pytest.raises(CaptureError, match="pipeline stage 1 sent layer slot 7"):
+        merge([s0, _stage_cap(1, [0, 3, 7], segs)], layers)
+    with pytest.raises(CaptureError, match="pipeline stage 1 sent layer slot -1"):
+        merge([s0, _stage_cap(1, [-1, 0, 3], segs)], layers)
+    with pytest.raises(CaptureError, match=r"prompt 0: pipeline stage 0 \(layers \[0, 2\]\) captured 3 rows, "
+                                           r"pipeline stage 1 \(layers \[5, 3\]\) 2"):
+        merge([s0, _stage_cap(1, [0, 3], [[0, 0, 2, [4, 5]]])], layers)
+    with pytest.raises(CaptureError, match=r"prompt 1: .* captured 0 rows, .* 1"):
+        merge([s0, _stage_cap(1, [0, 3], segs + [[1, 0, 1, [7]]])], layers)
+    with pytest.raises(CaptureError, match="hidden_size 16"):
+        merge([s0, _stage_cap(1, [0, 3], segs, hidden_size=16)], layers)
+    with pytest.raises(CaptureError, match="dtype 'bfloat16'"):
+        merge([s0, _stage_cap(1, [0, 3], segs, dtype="bfloat16")], layers)
+    with pytest.raises(CaptureError, match="no pipeline stage sent a capture"):
+        merge([], layers)
+    err = merge([s0, _stage_cap(1, [0, 3], segs, error="step 4: boom")], layers)["error"]
+    assert err == "pipeline stage 1 (layers [5, 3]): step 4: boom"
+    assert merge([_stage_cap(0, [0], segs, error="boom")], [0])["error"] == "boom"  # one stage: as before
+    with pytest.raises(CaptureError, match="more than one tensor-parallel rank of pipeline stage 1"):
+        core.stage_replies([s0, s1, dict(s1)])
+    with pytest.raises(CaptureError, match="worker 0 sent list, expected its capture"):
+        core.stage_replies([[0.5]])  # the 0.3.0 "[0] of a bare reply" mistake
+    with pytest.raises(CaptureError, match="no worker sent a capture"):
+        core.stage_replies([None, None])
+    with pytest.raises(CaptureError, match="unexpected collective_rpc reply of type list"):
+        core.stage_replies([])
+
+
+def test_pipeline_stage_replies_are_merged_by_layer_and_checked():
+    pipeline_examples()
 
 
 class SlicerMachine(RuleBasedStateMachine):

@@ -52,6 +52,28 @@ MUTANTS = {
     "token-ids-not-compared": (capture, "if tokens is not None and list(tokens) !=", "if False and list(tokens) !="),
     "incomplete-prompt-allowed": (capture, "if expected != n:", "if False:"),
     "runs-sorted-backwards": (capture, "key=lambda r: r[0])", "key=lambda r: -r[0])"),
+    # -- driver side: pipeline-parallel replies --------------------------------------
+    "empty-reply-accepted": (capture, "    if not isinstance(reply, (list, tuple)) or not reply:\n"
+                                      "        raise CaptureError(f\"unexpected collective_rpc reply of type {type(reply).__name__}\")\n"
+                                      "    out:",
+                             "    if not isinstance(reply, (list, tuple)):\n"
+                             "        raise CaptureError(f\"unexpected collective_rpc reply of type {type(reply).__name__}\")\n"
+                             "    out:"),
+    "non-dict-reply-skipped": (capture, "        if not isinstance(r, dict):\n            raise",
+                               "        if not isinstance(r, dict):\n            continue\n            raise"),
+    "two-ranks-of-a-stage-accepted": (capture, "        if stage in out:", "        if False:"),
+    "stages-keyed-by-position": (capture, "        stage = int(r.get(\"stage\", 0))\n        if stage in out:",
+                                 "        stage = rank\n        if stage in out:"),
+    "no-capture-accepted": (capture, "    if not out:\n", "    if False:\n"),
+    "slot-range-not-checked": (capture, "            if not 0 <= slot < len(layer_ids):", "            if False:"),
+    "layer-from-two-stages-accepted": (capture, "            if slot in owner:", "            if False:"),
+    "layer-from-no-stage-accepted": (capture, "    if missing:\n        held", "    if False:\n        held"),
+    "stage-layers-not-checked": (capture, "    check_stage_layers({s[\"stage\"]: s[\"slots\"] for s in stages}, layer_ids)",
+                                 "    pass"),
+    "no-stage-accepted": (capture, "    if not replies:\n", "    if False:\n"),
+    "stage-dtypes-not-compared": (capture, "            if r[key] != first[key]:", "            if False:"),
+    "stage-rows-not-compared": (capture, "                if a != b:", "                if False:"),
+    "stage-error-dropped": (capture, "        if r.get(\"error\"):", "        if False:"),
     # -- the arena ------------------------------------------------------------------
     "row-width-or-count-not-checked": (
         arena, "if rows.dim() != 2 or rows.shape[0] != count or rows.shape[1] != self.hidden:", "if False:"),
@@ -84,6 +106,9 @@ def mutant(name: str) -> tuple[types.ModuleType, types.ModuleType]:
     mod = types.ModuleType(f"{module.__name__}_mutant_{name.replace('-', '_')}")
     sys.modules[mod.__name__] = mod  # dataclasses look their module up
     code = src.replace(old, new)
+    if module is capture:  # the mutant must raise the real CaptureError (pytest.raises checks its class)
+        code = code.replace("class CaptureError(RuntimeError):", "class _Unused(RuntimeError):")
+        mod.__dict__["CaptureError"] = capture.CaptureError
     if module is arena:  # the arena must raise the real core's CaptureError
         code = code.replace("from .capture import CaptureError", "from eagle3_compat.capture import CaptureError")
     exec(compile(code, mod.__name__, "exec"), mod.__dict__)  # noqa: S102

@@ -139,3 +139,31 @@ def test_generate_with_tensor_parallel_2_matches_hf(tmp_path, tiny_models):
         assert data["input_ids"].tolist() == p
         for h, r in zip(data["hidden_states"], hf_layer_outputs(model, [p], [1, 4])[0]):
             assert max_rel_error(h, r) < 1e-4, f
+
+
+@pytest.mark.extended
+def test_generate_with_pipeline_parallel_2_matches_hf(tmp_path, tiny_models):
+    """`generate --pipeline-parallel-size 2` (README): the streaming job with
+    two pipeline stages (layer 1 on stage 0, layers 4 and 5 on stage 1);
+    every file against HF float32."""
+    import torch
+
+    from eagle3_compat.testing import hf_layer_outputs, max_rel_error
+
+    model = tiny_models("llama")
+    inp = tmp_path / "in.jsonl"
+    prompts = [list(range(4, 4 + n)) for n in (7, 60, 1, 33, 120)]
+    inp.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    out = tmp_path / "out"
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    proc = cli("generate", "--model", str(model), "--input", str(inp), "--output", str(out),
+               "--layer-ids", "4,1,5", "--max-model-len", "128", "--pipeline-parallel-size", "2",
+               "--max-in-flight", "2", "--dtype", "float32", "--no-trainer-checks", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(out.glob("*.pt"))) == len(prompts)
+    for i, p in enumerate(prompts):
+        data = torch.load(out / f"data_{i}.pt", weights_only=True)
+        assert data["input_ids"].tolist() == p
+        assert len(data["hidden_states"]) == 3
+        for h, r in zip(data["hidden_states"], hf_layer_outputs(model, [p], [4, 1, 5])[0]):
+            assert max_rel_error(h, r) < 1e-4, i

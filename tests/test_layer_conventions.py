@@ -147,3 +147,40 @@ def test_capture_argument_is_checked(tiny_models):
 
     with pytest.raises(ValueError, match="capture must be one of"):
         VllmHiddenStatesGenerator(str(tiny_models("llama")), layer_ids=[1], capture="input")
+
+
+@pytest.mark.extended
+def test_layer_conventions_hold_across_pipeline_stages(tiny_models, monkeypatch):
+    """Pipeline parallel 2 (stage 0 runs layers 0-2, stage 1 runs 3-5 and the
+    final norm): both columns of the table hold whichever stage a layer is
+    on.  Layer 2's output and layer 3's input are the state handed from one
+    stage to the next (HF ``hidden_states[3]``); the last layer's output is
+    still the pre-norm state although its stage applies the norm."""
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    from eagle3_compat.testing import compare, max_rel_error
+
+    import torch
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    model = tiny_models("llama")
+    n = 6
+    prompts = mixed_prompts(5, 200, seed=21)
+    hf_model, hf = _hf_hidden_states(model, prompts)
+    out_layers, in_layers = [0, 2, 3, n - 1], [0, 3, n - 1]
+    with VllmHiddenStatesGenerator(str(model), layer_ids=out_layers, max_model_len=256,
+                                   pipeline_parallel_size=2) as g:
+        out = g.generate(prompts)
+    with VllmHiddenStatesGenerator(str(model), layer_ids=in_layers, max_model_len=256,
+                                   capture="layer_input", pipeline_parallel_size=2) as g:
+        inp = g.generate(prompts)
+    inner = [{"input_ids": r["input_ids"], "hidden_states": r["hidden_states"][:3]} for r in out]
+    compare(inner, _as_ref(hf, [1, 3, 4]), prompts, out_layers[:3], TOL)
+    for i, r in enumerate(out):
+        last = r["hidden_states"][3]
+        with torch.no_grad():
+            assert max_rel_error(hf_model.model.norm(last), hf[i][n]) < TOL, i
+        assert max_rel_error(last, hf[i][n]) > 1e-2, i  # not already normed
+    compare(inp, _as_ref(hf, [0, 3, n - 1]), prompts, in_layers, TOL)
+    for a, b in zip(inp, out):  # layer 3's input (stage 1) is layer 2's output (stage 0)
+        assert max_rel_error(a["hidden_states"][1], b["hidden_states"][1]) < 1e-5

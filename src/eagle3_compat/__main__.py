@@ -89,6 +89,7 @@ def _generate(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             max_in_flight=args.max_in_flight,
             tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             dtype=args.dtype,
             capture=args.capture,
@@ -227,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(memory is bounded by this, whatever the input's length)")
     g.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="default: every accelerator (1 on a CPU)")
+    g.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages (vLLM's pipeline_parallel_size; tensor x pipeline workers); "
+                        "each stage captures the layers it runs (default 1)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     g.add_argument("--max-samples", type=int, default=None)
     g.add_argument("--seed", type=int, default=None, help="shuffle seed of speculators' preprocessing (0)")

@@ -27,6 +27,13 @@ travel in the fetch reply as a safetensors payload, which checks every
 tensor's dtype, shape and length on load.  ``EAGLE3_COMPAT_TRANSPORT=rpc``
 forces that path, ``=shm`` makes its use an error.
 
+With pipeline parallelism the tensor-rank-0 worker of each stage maps the
+same file and writes only the layer slots of the decoder layers its stage
+owns: the regions are disjoint, so the stages never write the same bytes,
+and the driver checks each stage's metadata and that every slot came from
+exactly one stage (:func:`eagle3_compat.capture.merge_stage_captures`).  A
+stage on another host sends its slots in its own payload.
+
 The layout is pure arithmetic (:class:`ArenaLayout`) shared by both sides.
 """
 
@@ -589,26 +596,30 @@ class LocalSink(_Sink):
         super().__init__(layout, dtype, hidden)
         self.buf = torch.empty(layout.total, dtype=torch.uint8)
 
-    def payload(self) -> bytes:
+    def payload(self, slots: Sequence[int] | None = None) -> bytes:
+        """The rows of layer ``slots`` (default: all) as safetensors (``"{prompt}.{slot}"``);
+        a pipeline stage sends the slots of the layers it owns."""
         from safetensors.torch import save  # noqa: PLC0415
 
-        tensors = {
-            f"{i}.{j}": self.view(i, j)
-            for i in range(len(self.layout.lengths))
-            for j in range(self.layout.num_layers)
-        }
+        slots = range(self.layout.num_layers) if slots is None else slots
+        tensors = {f"{i}.{j}": self.view(i, j) for i in range(len(self.layout.lengths)) for j in slots}
         return save(tensors)
 
 
 def tensors_from_payload(
-    payload: bytes, layout: ArenaLayout, dtype_name: str, hidden: int
+    payload: bytes, layout: ArenaLayout, dtype_name: str, hidden: int, slots: Sequence[int] | None = None
 ) -> list[list[Any]]:
-    """Driver side of the RPC path: the payload's tensors, every one checked."""
+    """Driver side of the RPC path: the payload's tensors, every one checked.
+
+    ``slots``: the layer slots the payload must hold (default: all);
+    ``out[i][j]`` is None for the other slots (another pipeline stage's).
+    """
     from safetensors.torch import load  # noqa: PLC0415
 
     dtype = _dtype(dtype_name)
     got = load(bytes(payload))
-    expected = {f"{i}.{j}" for i in range(len(layout.lengths)) for j in range(layout.num_layers)}
+    slots = list(range(layout.num_layers)) if slots is None else list(slots)
+    expected = {f"{i}.{j}" for i in range(len(layout.lengths)) for j in slots}
     if set(got) != expected:
         raise CaptureError(
             f"the capture payload holds tensors {sorted(set(got) ^ expected)[:5]} that do not "
@@ -616,15 +627,15 @@ def tensors_from_payload(
         )
     out = []
     for i, n in enumerate(layout.lengths):
-        per_layer = []
-        for j in range(layout.num_layers):
+        per_layer: list[Any] = [None] * layout.num_layers
+        for j in slots:
             t = got[f"{i}.{j}"]
             if t.dtype != dtype or tuple(t.shape) != (n, hidden):
                 raise CaptureError(
                     f"prompt {i}, layer slot {j}: payload tensor {t.dtype} {tuple(t.shape)}, "
                     f"expected {dtype} {(n, hidden)}"
                 )
-            per_layer.append(t)
+            per_layer[j] = t
         out.append(per_layer)
     return out
 

@@ -37,9 +37,12 @@ __all__ = [
     "StepLayout",
     "StepSlicer",
     "check_segments",
+    "check_stage_layers",
     "make_request_id",
+    "merge_stage_captures",
     "parse_request_id",
     "rank0_reply",
+    "stage_replies",
 ]
 
 
@@ -239,6 +242,147 @@ def rank0_reply(reply: Any) -> Any:
     if any(r is not None for r in rest):
         raise CaptureError("captures came from more than one tensor-parallel rank")
     return first
+
+
+def stage_replies(reply: Any) -> list[dict[str, Any]]:
+    """The captures of a ``collective_rpc`` reply, one per pipeline stage, by stage.
+
+    With pipeline parallelism the tensor-parallel rank-0 worker of each stage
+    that owns a requested layer replies (a dict carrying its ``"stage"``);
+    every other worker sends None.  Like :func:`rank0_reply`, a bare dict
+    (``unique_reply_rank``) is accepted; a reply that is neither a dict nor
+    None (the 0.3.0 "[0] of a bare reply" mistake), no capture at all, or two
+    captures from one stage (two tensor-parallel ranks) are errors.
+    """
+    if isinstance(reply, dict):
+        return [reply]
+    if not isinstance(reply, (list, tuple)) or not reply:
+        raise CaptureError(f"unexpected collective_rpc reply of type {type(reply).__name__}")
+    out: dict[int, dict[str, Any]] = {}
+    for rank, r in enumerate(reply):
+        if r is None:  # not a capturing worker (tensor rank > 0, or a stage without requested layers)
+            continue
+        if not isinstance(r, dict):
+            raise CaptureError(
+                f"worker {rank} sent {type(r).__name__}, expected its capture (a dict) or None; "
+                "is this a bare reply indexed twice?"
+            )
+        stage = int(r.get("stage", 0))
+        if stage in out:
+            raise CaptureError(
+                f"captures came from more than one tensor-parallel rank of pipeline stage {stage}"
+            )
+        out[stage] = r
+    if not out:
+        raise CaptureError("no worker sent a capture (every reply was None)")
+    return [out[s] for s in sorted(out)]
+
+
+def check_stage_layers(claims: Mapping[int, Sequence[int]], layer_ids: Sequence[int]) -> None:
+    """Check that every requested layer is captured by exactly one pipeline stage.
+
+    ``claims`` maps a stage to the layer slots (indices into ``layer_ids``)
+    its capture holds.  A :class:`CaptureError` names the layer and the
+    stages otherwise.
+    """
+    owner: dict[int, int] = {}
+    for stage, slots in sorted(claims.items()):
+        for slot in slots:
+            if not 0 <= slot < len(layer_ids):
+                raise CaptureError(
+                    f"pipeline stage {stage} sent layer slot {slot}, but {len(layer_ids)} layers "
+                    f"were requested ({list(layer_ids)})"
+                )
+            if slot in owner:
+                raise CaptureError(
+                    f"layer {layer_ids[slot]} was captured by pipeline stages {owner[slot]} and "
+                    f"{stage}: each layer must come from the one stage that owns it"
+                )
+            owner[slot] = stage
+    missing = [layer_ids[s] for s in range(len(layer_ids)) if s not in owner]
+    if missing:
+        held = {stage: [layer_ids[s] for s in slots] for stage, slots in sorted(claims.items())}
+        raise CaptureError(
+            f"layer(s) {missing} were captured by no pipeline stage (layers by stage: {held})"
+        )
+
+
+def merge_stage_captures(replies: Sequence[Mapping[str, Any]], layer_ids: Sequence[int]) -> dict[str, Any]:
+    """One call's captures from its pipeline stages (:func:`stage_replies`), merged.
+
+    Each stage's capture holds its own layer ``"slots"`` (indices into
+    ``layer_ids``) and the runs of rows it wrote (``"segments"``).  Checked
+    here: every requested layer comes from exactly one stage
+    (:func:`check_stage_layers`); all stages agree on dtype and hidden size
+    and captured the same number of rows for every prompt.  A stage's own
+    error is kept, prefixed with the stage and its layers (with one stage,
+    the message is the stage's own).  The result has the keys of a single
+    capture (``segments`` are the first stage's) plus ``"stages"``: per
+    stage ``stage``, ``slots``, ``layers``, ``segments``, ``transport`` and
+    ``payload`` (RPC path only), which :func:`eagle3_compat.generator.collect_results`
+    checks and assembles.
+    """
+    if not replies:
+        raise CaptureError("no pipeline stage sent a capture")
+    many = len(replies) > 1
+    stages = []
+    for r in replies:
+        stage = int(r.get("stage", 0))
+        slots = list(r.get("slots", range(len(layer_ids))))
+        stages.append({
+            "stage": stage,
+            "slots": slots,
+            "layers": [layer_ids[s] for s in slots if 0 <= s < len(layer_ids)],
+            "segments": r["segments"],
+            "transport": r["transport"],
+            "payload": r.get("payload"),
+        })
+    check_stage_layers({s["stage"]: s["slots"] for s in stages}, layer_ids)
+
+    def name(st: Mapping[str, Any]) -> str:
+        return f"pipeline stage {st['stage']} (layers {st['layers']})"
+
+    error = None
+    for r, st in zip(replies, stages):
+        if r.get("error"):
+            error = f"{name(st)}: {r['error']}" if many else r["error"]
+            break
+    first = replies[0]
+    for r, st in zip(replies[1:], stages[1:]):
+        for key in ("dtype", "hidden_size"):
+            if r[key] != first[key]:
+                raise CaptureError(
+                    f"{name(st)} captured {key} {r[key]!r}, {name(stages[0])} {first[key]!r}"
+                )
+    if error is None and many:
+        rows = [_rows_by_prompt(st["segments"]) for st in stages]
+        for st, counted in zip(stages[1:], rows[1:]):
+            for index in sorted(set(counted) | set(rows[0])):
+                a, b = rows[0].get(index, 0), counted.get(index, 0)
+                if a != b:
+                    raise CaptureError(
+                        f"prompt {index}: {name(stages[0])} captured {a} rows, {name(st)} {b}: "
+                        "the stages disagree on what ran"
+                    )
+    transports = {st["transport"] for st in stages}
+    return {
+        "transport": transports.pop() if len(transports) == 1 else "mixed",
+        "segments": first["segments"],
+        "stages": stages,
+        "steps": max(int(r["steps"]) for r in replies),
+        "foreign_rows": max(int(r["foreign_rows"]) for r in replies),
+        "error": error,
+        "token_ids_checked": all(r.get("token_ids_checked", True) for r in replies),
+        "dtype": first["dtype"],
+        "hidden_size": first["hidden_size"],
+    }
+
+
+def _rows_by_prompt(segments: Sequence[Sequence[Any]]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for index, _start, count, _tokens in segments:
+        out[int(index)] = out.get(int(index), 0) + int(count)
+    return out
 
 
 def check_segments(

@@ -422,6 +422,7 @@ def run_generate(
     turn_dropout: bool = False,
     num_preprocessing_workers: int = 8,
     start_idx: int = 0,
+    pipeline_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """Write speculators' training folder; resumable; returns the manifest.
 
@@ -442,6 +443,9 @@ def run_generate(
     new one is admitted as soon as one finishes, and each sample is saved by
     a writer thread as its request finishes (renamed into place in index
     order).  ``batch_size`` is accepted for compatibility and unused.
+    ``pipeline_parallel_size``: the generator's (a run-time setting like
+    ``tensor_parallel_size``: the files are the same, so a folder may be
+    resumed with another value).
     """
     if (input_path is None) == (train_data_path is None):
         raise ValueError("give exactly one of --train-data-path (speculators' datasets) and --input (JSONL)")
@@ -526,6 +530,7 @@ def run_generate(
     with VllmHiddenStatesGenerator(
         model, layer_ids=layer_ids, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
         gpu_memory_utilization=gpu_memory_utilization, capture=capture,
+        pipeline_parallel_size=pipeline_parallel_size,
     ) as gen:
         if list(gen.layer_ids) != layer_ids:
             raise RuntimeError(f"internal: the generator captures {gen.layer_ids}, the plan was {layer_ids}")

@@ -12,10 +12,10 @@ which sizes the KV cache for whichever platform it runs on (CUDA or CPU),
 does chunked prefill and both step phases itself, and returns
 ``collective_rpc`` replies as a list on every release.
 
-The rank-0 worker writes each step's rows straight into a shared-memory
-arena the driver created for the call (:mod:`eagle3_compat.arena`); the
-driver checks the metadata with :func:`eagle3_compat.capture.check_segments`
-and hands out tensors that are views of that memory, one mapping per prompt.
+The tensor-rank-0 worker (of each pipeline stage) writes each step's rows
+straight into a shared-memory arena the driver created for the call
+(:mod:`eagle3_compat.arena`); the driver checks the metadata with
+:func:`eagle3_compat.capture.check_segments` and hands out tensors that are views of that memory, one mapping per prompt.
 """
 
 from __future__ import annotations
@@ -27,7 +27,15 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from .arena import ArenaPool, DriverArena, layout_for, pool_keep_bytes, tensors_from_payload, transport_choice
-from .capture import CaptureError, check_segments, make_request_id, parse_request_id, rank0_reply
+from .capture import (
+    CaptureError,
+    check_segments,
+    check_stage_layers,
+    make_request_id,
+    merge_stage_captures,
+    parse_request_id,
+    stage_replies,
+)
 from .logs import get_logger
 from .worker import CAPTURE_POINTS, WORKER_EXTENSION
 
@@ -95,6 +103,7 @@ def generator_init(
     tensor_parallel_size: int = 1,
     *,
     capture: str = "layer_output",
+    pipeline_parallel_size: int = 1,
 ) -> None:
     """Replacement for ``VllmHiddenStatesGenerator.__init__``.
 
@@ -105,6 +114,12 @@ def generator_init(
     ``capture="layer_input"`` (vLLM's EAGLE-3 serving convention: the state
     layer ``k`` receives, Hugging Face ``hidden_states[k]``; for ``k >= 1``
     the same tensor as ``layer_output`` of ``k - 1``).
+
+    ``pipeline_parallel_size=N`` (keyword-only, an addition too) splits the
+    decoder layers over N pipeline stages (vLLM's ``pipeline_parallel_size``;
+    ``tensor_parallel_size * N`` workers): each stage captures the requested
+    layers it runs and the results are merged by layer id, the same tensors
+    as with one stage.
     """
     from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415
     from vllm import LLM  # noqa: PLC0415
@@ -112,6 +127,7 @@ def generator_init(
     opts = _options()
     self.model_path = model_path
     self.tensor_parallel_size = tensor_parallel_size
+    self.pipeline_parallel_size = pipeline_parallel_size
     self._request_counter = 0
     self._e3c_closed = True
     if not isinstance(model_path, (str, os.PathLike)):
@@ -121,7 +137,7 @@ def generator_init(
         model_path.startswith((".", "/", "~")) or model_path.count("/") != 1
     ):
         raise ValueError(f"model_path {model_path!r} does not exist")
-    _check_parallel(tensor_parallel_size)
+    _check_parallel(tensor_parallel_size, pipeline_parallel_size)
     if capture not in CAPTURE_POINTS:
         raise ValueError(f"capture must be one of {CAPTURE_POINTS}, got {capture!r}")
     self.capture = capture
@@ -139,12 +155,14 @@ def generator_init(
 
     self._e3c_max_model_len = int(max_model_len)
     log.info(
-        "starting vLLM for %s: layers %s (%s), max_model_len %d, tensor_parallel_size %d, dtype %s",
+        "starting vLLM for %s: layers %s (%s), max_model_len %d, tensor_parallel_size %d, "
+        "pipeline_parallel_size %d, dtype %s",
         model_path,
         self.layer_ids,
         capture,
         max_model_len,
         tensor_parallel_size,
+        pipeline_parallel_size,
         opts.get("dtype") or "auto",
     )
     self.llm = LLM(
@@ -159,6 +177,7 @@ def generator_init(
         compilation_config=0,
         gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=max(MIN_MAX_BATCHED_TOKENS, max_model_len),
         # A prefix-cache hit skips the cached rows: they would be missing.
@@ -172,13 +191,22 @@ def generator_init(
     self.scheduler = None
     infos = _rpc(self, "e3c_setup", self.layer_ids, capture)
     self._e3c_worker_info = infos[0]
-    log.info("capture ready: %s", infos[0])
+    self._e3c_setup_infos = infos  # one per worker: stage, owned layers, slots, pid
+    # Every requested layer is run by exactly one pipeline stage: checked
+    # now, before any prompt (and again on every reply).
+    try:
+        check_stage_layers({i["stage"]: i["slots"] for i in infos if i["capturing"]}, self.layer_ids)
+    except CaptureError:
+        generator_close(self)
+        raise
+    log.info("capture ready: %s", infos[0] if len(infos) == 1 else infos)
 
 
-def _check_parallel(tp: Any) -> None:
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
-    if tp == 1:
+def _check_parallel(tp: Any, pp: Any = 1) -> None:
+    for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if tp * pp == 1:
         return
     import torch  # noqa: PLC0415
 
@@ -186,8 +214,10 @@ def _check_parallel(tp: Any) -> None:
         available, what = torch.cuda.device_count(), "CUDA devices"
     else:
         available, what = os.cpu_count() or 1, "CPU cores (vLLM's CPU backend needs one per rank)"
-    if tp > available:
-        raise ValueError(f"tensor_parallel_size={tp} but only {available} {what} are available")
+    if tp * pp > available:
+        asked = f"tensor_parallel_size={tp}" if pp == 1 else (
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {tp * pp} workers")
+        raise ValueError(f"{asked} but only {available} {what} are available")
 
 
 def _as_prompt_list(token_ids: Any, vocab: int | None = None) -> list[list[int]]:
@@ -263,7 +293,7 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
             engine.add_request(rid, {"prompt_token_ids": ids}, params)
         while engine.has_unfinished_requests():
             engine.step()
-        captured = rank0_reply(_rpc(self, "e3c_take", call, 0))
+        captured = merge_stage_captures(stage_replies(_rpc(self, "e3c_take", call, 0)), self.layer_ids)
     except BaseException as exc:
         _discard_arena(self)
         died = _after_failure(self, exc, req_ids, "generate()")
@@ -428,15 +458,28 @@ def collect_results(
     try:
         if captured["error"]:
             raise CaptureError(f"call {call}: {captured['error']}")
-        check_segments(prompts, captured["segments"], layer_ids)
-        if captured["transport"] == "shm":
+        stages = captured["stages"]
+        for st in stages:
+            try:
+                check_segments(prompts, st["segments"], st["layers"])
+            except CaptureError as exc:
+                if len(stages) == 1:
+                    raise
+                raise CaptureError(f"pipeline stage {st['stage']}: {exc}") from None
+        dtype, hidden = captured["dtype"], captured["hidden_size"]
+        if any(st["transport"] == "shm" for st in stages):
             if arena is None:
                 raise CaptureError("the worker wrote to a shared-memory arena this call did not create")
-            results = arena.tensors(captured["dtype"], captured["hidden_size"])
+            results = arena.tensors(dtype, hidden)
         else:
-            results = tensors_from_payload(
-                captured["payload"], layout, captured["dtype"], captured["hidden_size"]
-            )
+            results = [[None] * len(layer_ids) for _ in prompts]
+        # Stages that could not map the arena (another host) sent their slots.
+        for st in stages:
+            if st["transport"] != "shm":
+                got = tensors_from_payload(st["payload"], layout, dtype, hidden, st["slots"])
+                for mine, theirs in zip(results, got):
+                    for j in st["slots"]:
+                        mine[j] = theirs[j]
     finally:
         if arena is not None:
             arena.discard()
@@ -461,11 +504,10 @@ def _add_group(self: Any, call: int, group: int, prompts: list[tuple[int, int]],
     if transport != "rpc" and ArenaPool.available():
         arena = self._e3c_arena = _pool(self).lease(layout)
     spec = None if arena is None else dict(arena.spec(), required=transport == "shm")
-    armed = rank0_reply(_rpc(self, "e3c_add", call, group, [list(p) for p in prompts], spec))
+    armed = stage_replies(_rpc(self, "e3c_add", call, group, [list(p) for p in prompts], spec))
     if arena is not None:
-        arena.unlink()  # the worker has it mapped (or said why not)
-        if armed["transport"] != "shm":
-            _warn_rpc_once(self, armed["why"])
+        arena.unlink()  # the capturing workers have it mapped (or said why not)
+        _warn_if_rpc(self, armed)
     return arena
 
 
@@ -492,20 +534,19 @@ def _exchange(
         arenas.append(arena)
     if not take and not items:
         return []
-    reply = rank0_reply(_rpc(self, "e3c_exchange", call, take, items))
-    if not isinstance(reply, dict) or len(reply.get("taken", ())) != len(take) or len(
-        reply.get("added", ())
-    ) != len(items):
-        raise CaptureError(
-            f"unexpected reply to the capture exchange of call {call} (taking {len(take)}, "
-            f"adding {len(items)}): {str(reply)[:200]}"
-        )
-    for arena, armed in zip(arenas, reply["added"]):
+    replies = stage_replies(_rpc(self, "e3c_exchange", call, take, items))
+    for reply in replies:
+        if len(reply.get("taken", ())) != len(take) or len(reply.get("added", ())) != len(items):
+            raise CaptureError(
+                f"unexpected reply to the capture exchange of call {call} (taking {len(take)}, "
+                f"adding {len(items)}): {str(reply)[:200]}"
+            )
+    for j, arena in enumerate(arenas):
         if arena is not None:
-            arena.unlink()  # the worker has it mapped (or said why not)
-            if armed["transport"] != "shm":
-                _warn_rpc_once(self, armed["why"])
-    return reply["taken"]
+            arena.unlink()  # the capturing workers have it mapped (or said why not)
+            _warn_if_rpc(self, [r["added"][j] for r in replies])
+    # Each taken prompt: its stages' captures merged by layer.
+    return [merge_stage_captures([r["taken"][j] for r in replies], self.layer_ids) for j in range(len(take))]
 
 
 def _pool(self: Any) -> ArenaPool:
@@ -520,6 +561,15 @@ def _discard_arena(self: Any) -> None:
     arena = self.__dict__.pop("_e3c_arena", None)
     if arena is not None:
         arena.discard()
+
+
+def _warn_if_rpc(self: Any, armed: list[dict[str, Any]]) -> None:
+    """Warn (once) when a capturing worker could not map the arena."""
+    for a in armed:
+        if a["transport"] != "shm":
+            stage = f"pipeline stage {a['stage']}: " if len(armed) > 1 else ""
+            _warn_rpc_once(self, stage + a["why"])
+            return
 
 
 def _warn_rpc_once(self: Any, why: str) -> None:

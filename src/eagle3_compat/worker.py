@@ -28,6 +28,16 @@ never copied) through :mod:`eagle3_compat.offload` (pinned buffers and a
 side stream on CUDA), and go straight to their place in the call's arena
 (:mod:`eagle3_compat.arena`: shared memory with the driver), so neither
 device nor worker memory grows with the call and nothing is serialised.
+
+Pipeline parallelism
+--------------------
+Each stage's model holds only its own decoder layers (the others are
+placeholders); hooks go on the requested layers the stage runs
+(:func:`_owned_layers`), and the tensor-rank-0 worker of each stage that
+owns one of them attributes its rows exactly as without pipeline
+parallelism (every stage sees the same scheduled batch, positions and
+token ids) and writes its layers' slots of the call's arena.  Its replies
+carry its ``stage`` and ``slots``; the driver merges them by layer.
 """
 
 from __future__ import annotations
@@ -61,6 +71,46 @@ def _decoder_layers(model: Any) -> tuple[Any, Any]:
 
 
 CAPTURE_POINTS = ("layer_output", "layer_input")
+
+
+def _owned_layers(base: Any, layers: Any, stage: int, stages: int) -> range:
+    """The decoder layers pipeline stage ``stage`` of ``stages`` runs (global ids).
+
+    vLLM builds every stage's model with the full ``layers`` list, the layers
+    of other stages being ``PPMissingLayer`` placeholders, and records its own
+    range as ``start_layer``/``end_layer`` on the base model (``make_layers``,
+    ``vllm/model_executor/models/utils.py``, the same in 0.11-0.16); the base
+    model's forward runs ``layers[start_layer:end_layer]``.  Where a model has
+    no such attributes, vLLM's own split (``vllm.distributed.utils.
+    get_pp_indices``, which honours ``VLLM_PP_LAYER_PARTITION``) is used.
+    Either way the range is checked against the placeholders, so a hook is
+    never put on a layer this stage does not run.
+    """
+    n = len(layers)
+    if stages == 1:
+        return range(n)
+    start, end = getattr(base, "start_layer", None), getattr(base, "end_layer", None)
+    how = "start_layer/end_layer"
+    if not (isinstance(start, int) and isinstance(end, int)):
+        from vllm.distributed.utils import get_pp_indices  # noqa: PLC0415
+
+        start, end = get_pp_indices(n, stage, stages)
+        how = "get_pp_indices"
+    owned = range(int(start), int(end))
+    try:
+        from vllm.model_executor.models.utils import PPMissingLayer  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - present in every supported release
+        PPMissingLayer = None  # noqa: N806
+    if PPMissingLayer is not None:
+        wrong = [k for k in range(n) if isinstance(layers[k], PPMissingLayer) == (k in owned)]
+        if wrong:
+            raise RuntimeError(
+                f"eagle3_compat: pipeline stage {stage} of {stages} runs decoder layers "
+                f"{owned.start}..{owned.stop - 1} ({how}) of {type(base).__name__}, but layers "
+                f"{wrong} are {'placeholders' if wrong[0] in owned else 'real'} there: cannot tell "
+                "which layers this stage owns"
+            )
+    return owned
 
 
 def _input_reader(layer: Any) -> Any:
@@ -166,7 +216,7 @@ class _Call:
             del self.slicer.lengths[index]  # type: ignore[attr-defined]
         return group
 
-    def process(self, step: _Step, layout: StepLayout, num_slots: int) -> None:
+    def process(self, step: _Step, layout: StepLayout, slots: list[int]) -> None:
         """Attribute one step's rows and write them to their arenas (after their copy ended).
 
         A :class:`CaptureError` is kept and reported by ``e3c_take`` (the
@@ -179,7 +229,7 @@ class _Call:
             if positions.dim() == 2:  # M-RoPE: [3, tokens]
                 positions = positions[0]
             token_ids = None if step.token_ids is None else step.token_ids.wait().tolist()
-            rows = [step.layers[s].wait() for s in range(num_slots)]
+            rows = [step.layers[s].wait() for s in slots]
             segments = self.slicer.slice_step(
                 layout, positions.tolist(), token_ids, [r.shape[0] for r in rows]
             )
@@ -187,7 +237,7 @@ class _Call:
                 group = self.owner[seg.index]
                 group.segments.append(seg)
                 local = group.local[seg.index]
-                for slot, r in enumerate(rows):
+                for slot, r in zip(slots, rows):
                     group.sink.write(local, slot, seg.start, seg.count, r[seg.src : seg.src + seg.count])
             if self.debug:
                 log.warning(
@@ -226,8 +276,6 @@ class CaptureWorkerExtension:
 
         if getattr(self, "_e3c_active", False):
             raise RuntimeError("eagle3_compat: capture is already set up in this worker")
-        if get_pp_group().world_size != 1:
-            raise RuntimeError("eagle3_compat: pipeline parallelism is not supported")
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model() if hasattr(runner, "get_model") else runner.model
         base, layers = _decoder_layers(model)
@@ -239,13 +287,22 @@ class CaptureWorkerExtension:
             raise ValueError(f"layer ids {bad} out of range for {n_layers} decoder layers")
 
         param = next(model.parameters())
+        pp = get_pp_group()
+        stage, stages = int(pp.rank_in_group), int(pp.world_size)
+        owned = _owned_layers(base, layers, stage, stages)
         self._e3c_layer_ids = list(layer_ids)
         self._e3c_rank0 = get_tp_group().rank_in_group == 0
+        self._e3c_stage = stage
+        # Pipeline parallel: this stage captures the requested layers it runs
+        # (their slots in layer_ids order); the tensor-rank-0 worker of each
+        # stage with such a layer replies, the others send None.
+        self._e3c_slots = [s for s, k in enumerate(self._e3c_layer_ids) if k in owned]
+        self._e3c_capturing = self._e3c_rank0 and bool(self._e3c_slots)
         self._e3c_call: _Call | None = None
         self._e3c_step: _Step | None = None
         self._e3c_maps: dict[str, Any] = {}  # the driver's pool files mapped here, by key
         self._e3c_debug = os.environ.get("EAGLE3_COMPAT_DEBUG", "") not in ("", "0")
-        self._e3c_offload = HostOffload(param.device) if self._e3c_rank0 else None
+        self._e3c_offload = HostOffload(param.device) if self._e3c_capturing else None
         self._e3c_dtype = str(param.dtype).removeprefix("torch.")
         self._e3c_hidden = int(runner.model_config.get_hidden_size())
         handles = []
@@ -290,8 +347,9 @@ class CaptureWorkerExtension:
             if input_ids is not None:
                 step.token_ids = offload.submit("token_ids", input_ids[: step.total])
 
-        if self._e3c_rank0:
-            for slot, k in enumerate(self._e3c_layer_ids):
+        if self._e3c_capturing:
+            for slot in self._e3c_slots:
+                k = self._e3c_layer_ids[slot]
                 if capture == "layer_input":
                     pre = layer_pre_hook(slot, _input_reader(layers[k]))
                     handles.append(layers[k].register_forward_pre_hook(pre, with_kwargs=True))
@@ -334,18 +392,28 @@ class CaptureWorkerExtension:
             "capture": capture,
             "num_layers": n_layers,
             "rank0": self._e3c_rank0,
+            "stage": stage,
+            "stages": stages,
+            "owned": [owned.start, owned.stop],
+            "slots": list(self._e3c_slots),
+            "capturing": self._e3c_capturing,
+            "pid": os.getpid(),
             "dtype": str(param.dtype),
             "hidden_size": self._e3c_hidden,
             "device": str(param.device),
             "torch": str(torch.__version__),
         }
-        log.info("capture hooks on %s layers %s (rank0=%s)", info["model"], layer_ids, self._e3c_rank0)
+        log.info(
+            "capture hooks on %s layers %s (pipeline stage %d of %d, owning layers %d..%d; rank0=%s)",
+            info["model"], [self._e3c_layer_ids[s] for s in self._e3c_slots] if self._e3c_capturing else [],
+            stage, stages, owned.start, owned.stop - 1, self._e3c_rank0,
+        )
         return info
 
     def _e3c_record(self, scheduler_output: Any, step: _Step, call: _Call) -> None:
         runner = self.model_runner  # type: ignore[attr-defined]
-        n = len(self._e3c_layer_ids)
-        missing = [self._e3c_layer_ids[s] for s in range(n) if s not in step.layers]
+        slots = self._e3c_slots
+        missing = [self._e3c_layer_ids[s] for s in slots if s not in step.layers]
         if missing or step.positions is None:
             step.release()
             raise RuntimeError(
@@ -370,7 +438,7 @@ class CaptureWorkerExtension:
             step.release()
             call.error = call.error or str(exc)
             return
-        self._e3c_offload.run(lambda: call.process(step, layout, n))  # type: ignore[union-attr]
+        self._e3c_offload.run(lambda: call.process(step, layout, slots))  # type: ignore[union-attr]
 
     # -- per call ---------------------------------------------------------------
     # A call: e3c_arm, then e3c_add for each group of prompts (with the
@@ -385,7 +453,7 @@ class CaptureWorkerExtension:
                 "or e3c_setup never ran); no hidden states would be captured"
             )
         self.e3c_disarm()
-        if self._e3c_rank0:
+        if self._e3c_capturing:
             self._e3c_call = _Call(call, self._e3c_debug)
 
     def e3c_add(
@@ -395,10 +463,11 @@ class CaptureWorkerExtension:
 
         ``arena``: the driver's shared-memory file for them
         (:meth:`~eagle3_compat.arena.DriverArena.spec`), or ``None`` for the
-        RPC path.  Returns, on rank 0, the transport in use and why; ``None``
-        on other ranks.
+        RPC path.  Returns, on a capturing worker (the tensor-rank-0 worker of
+        a pipeline stage that owns a requested layer), the transport in use
+        and why; ``None`` on other workers.
         """
-        if not self._e3c_rank0:
+        if not self._e3c_capturing:
             return None
         state = self._e3c_call
         if state is None or state.slicer.call != call:
@@ -429,20 +498,24 @@ class CaptureWorkerExtension:
         except CaptureError:
             sink.close()
             raise
-        return {"transport": transport, "why": why}
+        return {"transport": transport, "why": why, "stage": self._e3c_stage}
 
     def e3c_exchange(self, call: int, take: list[int], add: list[list[Any]]) -> Any:
         """A stream's round in one RPC: :meth:`e3c_take` for each group in
         ``take``, then :meth:`e3c_add` for each ``[group, prompts, arena]`` in
-        ``add``.  Rank 0: ``{"taken": [...], "added": [...]}``; others None."""
+        ``add``.  A capturing worker: ``{"taken": [...], "added": [...],
+        "stage": ...}``; others None."""
         taken = [self.e3c_take(call, group) for group in take]
         added = [self.e3c_add(call, group, prompts, arena) for group, prompts, arena in add]
-        return {"taken": taken, "added": added} if self._e3c_rank0 else None
+        if not self._e3c_capturing:
+            return None
+        return {"taken": taken, "added": added, "stage": self._e3c_stage}
 
     def e3c_take(self, call: int, group: int) -> Any:
         """Hand over group ``group`` of call ``call``: metadata (and the rows on the
-        RPC path); ``None`` off rank 0."""
-        if not self._e3c_rank0:
+        RPC path) of this stage's layer slots; ``None`` on a worker that does
+        not capture."""
+        if not self._e3c_capturing:
             return None
         state = self._e3c_call
         if state is None or state.slicer.call != call or group not in state.groups:
@@ -454,6 +527,8 @@ class CaptureWorkerExtension:
         g = state.take(group)
         try:
             reply = {
+                "stage": self._e3c_stage,
+                "slots": list(self._e3c_slots),
                 "transport": g.transport,
                 "segments": [[g.local[s.index], s.start, s.count,
                               None if s.token_ids is None else list(s.token_ids)] for s in g.segments],
@@ -468,7 +543,7 @@ class CaptureWorkerExtension:
                 "hidden_size": self._e3c_hidden,
             }
             if g.transport == "rpc" and state.error is None:
-                reply["payload"] = g.sink.payload()
+                reply["payload"] = g.sink.payload(self._e3c_slots)
             return reply
         finally:
             g.close()

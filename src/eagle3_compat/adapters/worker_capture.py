@@ -21,8 +21,8 @@ layers and records rows per request at every step.  Nothing is patched in
 the user's process (this record's install step is empty; its probe checks
 the worker-side symbols there, before any engine starts).  What changes in
 the worker processes, per engine and only for the generator's own engine,
-when ``e3c_setup`` runs: on the rank-0 worker, forward hooks on the
-requested decoder layers (pre-hooks with ``capture="layer_input"``) and a
+when ``e3c_setup`` runs: on the tensor-rank-0 worker (of each pipeline
+stage), forward hooks on the requested decoder layers it runs (pre-hooks with ``capture="layer_input"``) and a
 forward pre-hook on the model (its inputs); on every worker, that runner
 instance's ``execute_model`` is wrapped (a ``wrapt.FunctionWrapper`` set as
 an instance attribute; the ``GPUModelRunner`` class is not touched).
