@@ -173,6 +173,14 @@ def _actor_class(ray: Any, num_cpus: float, num_gpus: float) -> Any:
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0)(_Replica)
 
 
+try:  # the errors that mean "this replica is gone" (its work is re-run elsewhere)
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    _LOST: tuple[type[BaseException], ...] = (RayActorError, ActorDiedError, ActorUnavailableError)
+except ImportError:  # ray not installed: RayReplicas is never built (check_replica_args)
+    _LOST = ()
+
+
 class RayReplicas:
     """``replicas`` engines as Ray actors, used like one engine by
     :func:`eagle3_compat.dataset.run_generate`: ``stream(prompts)`` yields
@@ -227,8 +235,18 @@ class RayReplicas:
                         renv["VLLM_CPU_OMP_THREADS_BIND"] = bind
                 log.info("replica %d: pid %d on %s%s", r, where[r]["pid"], where[r]["host"],
                          f", cores {bind}" if bind else "")
-                starts.append(a.start.remote(self._model, self._kwargs, self._dtype, renv))
-            layer_ids = ray.get(starts)
+                starts.append((r, a.start.remote(self._model, self._kwargs, self._dtype, renv)))
+            layer_ids = []
+            for r, ref in starts:
+                try:
+                    layer_ids.append(ray.get(ref))
+                except _LOST as exc:  # killed while starting (e.g. by the OOM killer): go on without it
+                    del self._actors[r]
+                    self.lost.append(r)
+                    log.warning("replica %d died while starting (%s); going on with the others",
+                                r, type(exc).__name__)
+            if not layer_ids:
+                raise RuntimeError(f"none of the {self._n} replicas started (all died: see Ray's log above)")
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -251,9 +269,8 @@ class RayReplicas:
 
     def stream(self, prompts: Iterator[list[int]], max_in_flight: int) -> Iterator[tuple[int, dict[str, Any]]]:
         import ray  # noqa: PLC0415
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError  # noqa: PLC0415
 
-        lost_errors = (RayActorError, ActorDiedError, ActorUnavailableError)
+        lost_errors = _LOST
         source = enumerate(prompts)
         retry: deque[list[tuple[int, list[int]]]] = deque()
         running: dict[Any, tuple[int, list[tuple[int, list[int]]]]] = {}  # ref -> (rank, chunk)
