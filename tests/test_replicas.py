@@ -126,12 +126,17 @@ def test_two_replicas_one_killed_give_the_files_of_one_engine(tmp_path, tiny_mod
     # in the last bits, on which prompts share its batch, and the jobs
     # compared here batch differently; alone, each prompt's file is exact.
     one, two = tmp_path / "one", tmp_path / "two"
-    # The reference engine on one core, as each of the two replicas is on this
-    # 2-core machine (cpu_binding): float32 sums split over another number of
-    # threads differ in the last bits (seen: 12 of 80 tensors, 9e-7 relative).
+    # The reference engine on as many cores as each of the two replicas gets
+    # (cpu_binding; one on this 2-core machine): float32 sums split over
+    # another number of threads differ in the last bits (seen: 12 of 80
+    # tensors, 9e-7 relative).
+    from eagle3_compat.replicas import cpu_binding
+
+    bind = cpu_binding(sorted(os.sched_getaffinity(0)), 0, 2, 1)
+    assert bind is not None
     single = subprocess.run([sys.executable, "-m", "eagle3_compat", *common, "--output", str(one)],
                             capture_output=True, text=True, timeout=900,
-                            env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0"))
+                            env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind))
     assert single.returncode == 0, single.stderr[-3000:]
 
     log = tmp_path / "replicas.log"
