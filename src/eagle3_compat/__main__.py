@@ -1,4 +1,4 @@
-"""Command line: ``python -m eagle3_compat {generate,run,doctor,demo,status}`` (also ``eagle3-compat``)."""
+"""Command line: ``python -m eagle3_compat {generate,verify,run,doctor,demo,status}`` (also ``eagle3-compat``)."""
 
 from __future__ import annotations
 
@@ -102,14 +102,39 @@ def _generate(args: argparse.Namespace) -> int:
             turn_dropout=args.turn_dropout,
             num_preprocessing_workers=8 if args.num_preprocessing_workers is None else args.num_preprocessing_workers,
             start_idx=args.start_idx,
+            num_shards=args.num_shards,
+            shard_index=args.shard_index,
+            replicas=args.replicas,
+            ray_address=args.ray_address,
+            chunk_size=args.chunk_size,
         )
     except ValueError as exc:  # bad arguments or folder: the message says what and how to fix it
         print(f"eagle3-compat generate: error: {exc}", file=sys.stderr)
         return 2
+    shard = "" if args.num_shards == 1 else f" (shard {args.shard_index} of {args.num_shards})"
     print(
-        f"{manifest['samples']} samples in {args.output} ({manifest['written_this_run']} written now, "
+        f"{manifest['samples']} samples in {args.output}{shard} ({manifest['written_this_run']} written now, "
         f"{manifest['tokens_this_run']} tokens in {manifest['seconds_this_run']:.1f}s)"
     )
+    if args.num_shards > 1:
+        print(f"when every shard has finished: eagle3-compat verify {args.output}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eagle3_compat.verify import verify_folder
+
+    res = verify_folder(Path(args.folder), token_freq_path=args.token_freq_path, write=not args.check_only)
+    for problem in res.problems:
+        print(f"PROBLEM: {problem}")
+    if res.problems:
+        print(f"{len(res.problems)} problem(s) in {args.folder}; nothing written")
+        return 1
+    for path in res.written:
+        print(f"wrote {path}")
+    print(f"OK: {res.samples} samples in {args.folder}")
     return 0
 
 
@@ -242,6 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--turn-dropout", action="store_true")
     g.add_argument("--num-preprocessing-workers", type=int, default=None)
     g.add_argument("--start-idx", type=int, default=0, help="index of the first output file (data_{start-idx}.pt)")
+    g.add_argument("--num-shards", type=int, default=1,
+                   help="split the job into N independent jobs writing into one folder (a Slurm array, "
+                        "an indexed Kubernetes job); then run `eagle3-compat verify DIR`")
+    g.add_argument("--shard-index", type=int, default=0,
+                   help="this job's shard, 0..N-1: the samples i with i %% N == I")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="run N engine replicas as Ray actors (pip install 'eagle3_compat[ray]')")
+    g.add_argument("--ray-address", default=None,
+                   help="an existing Ray cluster (default: RAY_ADDRESS, else a local one)")
+    g.add_argument("--chunk-size", type=int, default=None,
+                   help="samples per unit of work handed to a replica (default 8)")
     g.add_argument("--dtype", default=None, choices=[None, "auto", "float32", "bfloat16", "float16"])
     g.add_argument("--capture", default="layer_output", choices=["layer_output", "layer_input"],
                    help="layer_output: speculators 0.3.0 (output of layer k); layer_input: vLLM "
@@ -249,6 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--no-trainer-checks", action="store_true",
                    help="the folder is not for speculators 0.3.0's trainer: skip its rules (4 ascending "
                         "layer ids ending at the final layer, layer outputs); recorded in the manifest")
+    v = sub.add_parser(
+        "verify", help="check a data folder (every sample once, same settings, loadable files, shapes); "
+                       "for a sharded job, then write manifest.json, data_config.json and token "
+                       "frequencies; exit 1 listing the problems")
+    v.add_argument("folder")
+    v.add_argument("--token-freq-path", default=None,
+                   help="where the merged token frequencies go (default: the jobs' --token-freq-path)")
+    v.add_argument("--check-only", action="store_true", help="check, write nothing")
     r = sub.add_parser(
         "run", help="run a Python program (e.g. speculators' own scripts) with apply() in effect in it "
                     "and its child processes: eagle3-compat run [--dtype D] SCRIPT|-m MODULE [ARGS...]")
@@ -259,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("args", nargs=argparse.REMAINDER, help="the program's own arguments, untouched")
     args = ap.parse_args(argv)
     _configure_logging()
-    commands = {"demo": _demo, "status": _status, "doctor": _doctor, "generate": _generate, "run": _run}
+    commands = {"demo": _demo, "status": _status, "doctor": _doctor, "generate": _generate, "run": _run,
+                "verify": _verify}
     return commands[args.cmd](args)
 
 

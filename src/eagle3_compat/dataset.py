@@ -15,6 +15,18 @@ sample ``i`` is written to a temporary file and renamed into place whole,
 and files are renamed in index order, so the folder always holds a prefix
 ``data_{start}..data_{k}`` however the engine's requests finish.  A rerun
 skips the samples whose files exist and computes the rest.
+
+Sharded jobs (``num_shards=N, shard_index=I``): shard ``I`` owns the samples
+whose index ``i`` (position in the input) has ``i % N == I``; several shard
+jobs (on any scheduler) write into one folder at once.  Each publishes its
+own samples in its own index order (a killed shard job leaves a prefix of its
+own sequence; its rerun skips the files there) and writes only files of its
+own: its samples, ``manifest.shard-I-of-N.json`` (settings, counts,
+speculators' ``data_config`` for the job) and ``token_freq.shard-I-of-N.json``
+(loss-masked token counts of its samples).  ``eagle3-compat verify``
+(:mod:`eagle3_compat.verify`) checks the folder once all have finished and
+writes the shared files: ``manifest.json``, ``data_config.json`` and the
+merged token frequencies.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from collections import deque
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +51,61 @@ __all__ = ["Sample", "read_jsonl", "run_generate", "data_path"]
 
 log = get_logger("eagle3_compat.dataset")
 MANIFEST = "manifest.json"
+_SHARD_FILE = re.compile(r"(manifest|token_freq)\.shard-(\d+)-of-(\d+)\.json")
+
+
+def shard_manifest_name(shard_index: int, num_shards: int) -> str:
+    """The manifest a job writes: ``manifest.json`` unsharded, else
+    ``manifest.shard-I-of-N.json`` (one file per shard job: no job writes
+    another's; ``.json``, so speculators' trainer, which reads every ``*pt``
+    file of the folder, ignores it)."""
+    return MANIFEST if num_shards == 1 else f"manifest.shard-{shard_index}-of-{num_shards}.json"
+
+
+def shard_token_freq_name(shard_index: int, num_shards: int) -> str:
+    """A shard job's token counts (JSON ``{token id: count}``), merged by ``verify``."""
+    return f"token_freq.shard-{shard_index}-of-{num_shards}.json"
+
+
+def in_shard(index: int, num_shards: int, shard_index: int) -> bool:
+    """Whether sample ``index`` (its position in the input) belongs to shard
+    ``shard_index`` of ``num_shards``: ``index % num_shards == shard_index``.
+    Deterministic, needs no count of the input, and spreads long and short
+    samples evenly whatever their order."""
+    return index % num_shards == shard_index
+
+
+def check_shard_args(num_shards: int, shard_index: int) -> None:
+    for name, v in (("--num-shards", num_shards), ("--shard-index", shard_index)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name} must be an int, got {v!r}")
+    if num_shards < 1:
+        raise ValueError(f"--num-shards must be >= 1, got {num_shards}")
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"--shard-index must be in 0..{num_shards - 1} for --num-shards {num_shards}, "
+                         f"got {shard_index} (a Slurm array: --array=0-{num_shards - 1}, "
+                         "--shard-index $SLURM_ARRAY_TASK_ID)")
+
+
+def manifests(output: Path) -> dict[str, dict[str, Any]]:
+    """Every manifest in ``output`` (``manifest.json`` and the shard jobs'), by file name."""
+    found: dict[str, dict[str, Any]] = {}
+    if not output.is_dir():
+        return found
+    for path in sorted(output.glob("manifest*.json")):
+        if path.name == MANIFEST or (_SHARD_FILE.fullmatch(path.name) and path.name.startswith("manifest")):
+            try:
+                found[path.name] = json.loads(path.read_text())
+            except ValueError as exc:
+                raise ValueError(f"{path} is not valid JSON ({exc}); delete it if its job is gone") from exc
+    return found
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON whole: readers (other shard jobs, ``verify``) never see half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 @dataclass
@@ -145,6 +213,11 @@ def _partial_writer(tmp: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _partial_index(tmp: Path) -> int | None:
+    m = re.fullmatch(r"\.data_(\d+)\.pt\.\d+\.tmp", tmp.name)
+    return int(m.group(1)) if m else None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -155,13 +228,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_partials(output: Path) -> list[Path]:
+def remove_stale_partials(output: Path, owns: Any = None) -> list[Path]:
     """Delete the temporary files (``.data_*.pt.<pid>.tmp``) that a killed
     run left behind, i.e. those whose writing process is gone; returns them.
-    A file is only ever renamed into place whole, so these are never samples."""
+    A file is only ever renamed into place whole, so these are never samples.
+
+    ``owns(file_index) -> bool``: only such files are touched (a shard job
+    leaves the other shards' alone: their writer may run on another machine,
+    where this one's process table says nothing)."""
     removed = []
     for tmp in [*output.glob(".data_*.tmp"), *output.glob(".sample_*.tmp")]:
         pid = _partial_writer(tmp)
+        if owns is not None:
+            idx = _partial_index(tmp)
+            if idx is None or not owns(idx):
+                continue
         if pid is not None and not _pid_alive(pid):
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
@@ -179,17 +260,21 @@ DATA_CONFIG = "data_config.json"
 
 
 def _check_same_settings(output: Path, settings: dict[str, Any]) -> None:
-    path = output / MANIFEST
-    if not path.exists():
-        return
-    old = json.loads(path.read_text())
-    old.setdefault("capture", "layer_output")  # manifests written before the option existed
-    diff = {k: {"folder": old[k], "now": v} for k, v in settings.items() if k in old and old[k] != v}
-    if diff:
-        raise ValueError(
-            f"{output} holds samples made with other settings {diff}; resuming would mix them. "
-            "Use a new --output-dir folder or the original settings."
-        )
+    """Refuse a folder whose manifests (``manifest.json``, the shard jobs')
+    record other settings."""
+    for name, old in manifests(output).items():
+        old.setdefault("capture", "layer_output")  # manifests written before the option existed
+        diff = {k: {"folder": old[k], "now": v} for k, v in settings.items() if k in old and old[k] != v}
+        if diff:
+            raise ValueError(
+                f"{output} holds samples made with other settings {diff} ({name}); resuming would mix "
+                "them. Use a new --output-dir folder or the original settings."
+            )
+
+
+def _ours(output: Path) -> bool:
+    """Whether a job of ours wrote in ``output`` (its files are renamed into place whole)."""
+    return bool(manifests(output))
 
 
 def _check_folder(output: Path, model: str, layer_ids: list[int], seq_length: int,
@@ -211,7 +296,7 @@ def _check_folder(output: Path, model: str, layer_ids: list[int], seq_length: in
             "speculators' pipeline does not read it); write to a new --output-dir"
         )
     cfg_path = output / DATA_CONFIG
-    if cfg_path.exists() and not (output / MANIFEST).exists():
+    if cfg_path.exists() and not _ours(output):
         # a folder speculators' own script started: resume only with its settings
         cfg = json.loads(cfg_path.read_text())
         theirs = {
@@ -226,7 +311,7 @@ def _check_folder(output: Path, model: str, layer_ids: list[int], seq_length: in
         if diff:
             raise ValueError(f"{output}/{DATA_CONFIG} was written with other settings {diff}; resuming "
                              "would mix them. Use a new --output-dir folder or the original settings.")
-    elif upstream_resume_index(output) > 0 and not (output / MANIFEST).exists():
+    elif upstream_resume_index(output) > 0 and not _ours(output):
         log.warning("%s holds data_*.pt files but neither %s nor %s: their settings cannot be checked",
                     output, MANIFEST, DATA_CONFIG)
 
@@ -241,7 +326,7 @@ def check_upstream_tail(output: Path) -> None:
     file that its resume (and ours) would keep.  Raises ``ValueError`` naming it."""
     import torch  # noqa: PLC0415
 
-    if (output / MANIFEST).exists() or not output.is_dir():
+    if not output.is_dir() or _ours(output):
         return  # ours are renamed into place whole
     found = sorted((int(p.name[5:-3]), p) for p in output.glob("data_*.pt") if p.name[5:-3].isdigit())
     for _, path in found[-UPSTREAM_WRITERS:]:
@@ -297,7 +382,11 @@ class _Writer:
         import torch  # noqa: PLC0415
 
         tmp = _partial_path(path, os.getpid())
-        torch.save(obj, tmp)
+        # Through a file object: torch.save given a path names the archive
+        # inside the file after it (".data_7.pt.<pid>", so no two runs wrote
+        # the same bytes); given a buffer it uses the fixed name "archive".
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
         self._saved[path] = tmp
         while self._order and self._order[0] in self._saved:
             done = self._order.popleft()
@@ -423,6 +512,11 @@ def run_generate(
     num_preprocessing_workers: int = 8,
     start_idx: int = 0,
     pipeline_parallel_size: int = 1,
+    num_shards: int = 1,
+    shard_index: int = 0,
+    replicas: int | None = None,
+    ray_address: str | None = None,
+    chunk_size: int | None = None,
 ) -> dict[str, Any]:
     """Write speculators' training folder; resumable; returns the manifest.
 
@@ -436,8 +530,8 @@ def run_generate(
     Before anything heavy loads or anything is written: the layer plan is
     checked (:func:`eagle3_compat.upstream.check_layer_plan`; for speculators'
     trainer unless ``trainer_checks=False``), and a folder made with other
-    settings (model, layer ids, capture point, max_model_len, dtype, input)
-    is refused, never mixed.
+    settings (model, layer ids, capture point, max_model_len, dtype, input,
+    number of shards) is refused, never mixed.
 
     The job streams: at most ``max_in_flight`` prompts are in the engine, a
     new one is admitted as soon as one finishes, and each sample is saved by
@@ -446,11 +540,25 @@ def run_generate(
     ``pipeline_parallel_size``: the generator's (a run-time setting like
     ``tensor_parallel_size``: the files are the same, so a folder may be
     resumed with another value).
+
+    ``num_shards``/``shard_index``: only the samples ``i`` with
+    ``i % num_shards == shard_index`` (see the module docstring; the shared
+    files are written by :func:`eagle3_compat.verify.verify_folder`).
+    ``replicas``: that many engines as Ray actors (:mod:`eagle3_compat.replicas`;
+    ``ray_address`` an existing cluster, ``chunk_size`` samples per work unit).
     """
     if (input_path is None) == (train_data_path is None):
         raise ValueError("give exactly one of --train-data-path (speculators' datasets) and --input (JSONL)")
     if start_idx < 0:
         raise ValueError(f"--start-idx must be >= 0, got {start_idx}")
+    check_shard_args(num_shards, shard_index)
+    if replicas is not None:
+        from .replicas import check_replica_args  # noqa: PLC0415
+
+        check_replica_args(replicas, ray_address, chunk_size)  # without ray: fails now, naming the install
+    elif ray_address is not None or chunk_size is not None:
+        raise ValueError("--ray-address and --chunk-size go with --replicas N")
+    sharded = num_shards > 1
     source = str(train_data_path if train_data_path is not None else input_path)
     if train_data_path is not None and token_freq_path is None:
         token_freq_path = "./token_freq.pt"  # speculators' default
@@ -460,7 +568,8 @@ def run_generate(
     # before torch, vLLM and the engine are loaded: a mismatch fails in a second
     _check_same_settings(output, early)
     layer_ids = check_layer_plan(layer_ids, model_num_layers(model), capture, trainer_checks=trainer_checks)
-    settings: dict[str, Any] = {**early, "layer_ids": layer_ids, "input": source, "start_idx": start_idx}
+    settings: dict[str, Any] = {**early, "layer_ids": layer_ids, "input": source, "start_idx": start_idx,
+                                "num_shards": num_shards}
     if train_data_path is not None:
         settings.update(seed=seed, max_samples=max_samples, turn_dropout=turn_dropout,
                         assistant_pattern=assistant_pattern)
@@ -475,14 +584,32 @@ def run_generate(
     status = eagle3_compat.apply(dtype=dtype)
     if not status.applied:
         raise RuntimeError(f"eagle3_compat could not apply:\n{status}")
-    from speculators.data_generation import VllmHiddenStatesGenerator  # noqa: PLC0415
 
     dropped = 0
     token_freq: Any = None
+    private_tf: str | None = None
+    if sharded or (train_data_path is None and token_freq_path is not None):
+        # ours: over this job's samples (a shard's counts are merged by verify)
+        from collections import Counter  # noqa: PLC0415
+
+        token_freq = Counter()
     if train_data_path is not None:
+        upstream_tf = token_freq_path
+        if sharded:
+            # speculators' preprocessing writes token_freq.pt for the whole
+            # dataset: N jobs must not all write one shared file.  It goes to
+            # a private folder here; verify writes the merged counts.
+            import tempfile  # noqa: PLC0415
+
+            private_tf = tempfile.mkdtemp(prefix="e3c-token-freq-")
+            upstream_tf = os.path.join(private_tf, "token_freq.pt")
         dataset, dropped = _preprocessed_dataset(
             model, train_data_path, max_model_len, num_preprocessing_workers, seed, max_samples,
-            token_freq_path, hf_cache_dir, assistant_pattern, turn_dropout)  # type: ignore[arg-type]
+            upstream_tf, hf_cache_dir, assistant_pattern, turn_dropout)  # type: ignore[arg-type]
+        if private_tf is not None:
+            import shutil  # noqa: PLC0415
+
+            shutil.rmtree(private_tf, ignore_errors=True)
 
         def samples() -> Iterator[Sample]:
             for i in range(len(dataset)):
@@ -492,10 +619,6 @@ def run_generate(
         from transformers import AutoTokenizer  # noqa: PLC0415
 
         tokenizer = AutoTokenizer.from_pretrained(model)
-        if token_freq_path is not None:
-            from collections import Counter  # noqa: PLC0415
-
-            token_freq = Counter()
 
         def samples() -> Iterator[Sample]:
             yield from read_jsonl(input_path, tokenizer, max_model_len - 1)  # type: ignore[arg-type]
@@ -504,17 +627,25 @@ def run_generate(
         tensor_parallel_size = max(1, torch.accelerator.device_count()) if hasattr(torch, "accelerator") else 1
     check_upstream_tail(output)
     output.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(output)
+
+    def owns(file_index: int) -> bool:
+        return in_shard(file_index - start_idx, num_shards, shard_index)
+
+    remove_stale_partials(output, owns if sharded else None)
     resume_at = upstream_resume_index(output)
+    manifest_path = output / shard_manifest_name(shard_index, num_shards)
     # Read, tokenize and extract as one stream: memory is bounded by the
     # prompts in flight and the writes queued, whatever the input's length.
-    counts = {"seen": 0, "todo": 0}
+    counts = {"seen": 0, "owned": 0, "todo": 0}
     pending: dict[int, Sample] = {}
     writer: _Writer | None = None
 
     def prompts() -> Iterator[list[int]]:
         for sample in samples():
             counts["seen"] += 1
+            if not in_shard(sample.index, num_shards, shard_index):
+                continue
+            counts["owned"] += 1
             if token_freq is not None:
                 _count_tokens(token_freq, sample.input_ids, sample.loss_mask)
             path = data_path(output, start_idx + sample.index)
@@ -522,30 +653,40 @@ def run_generate(
                 continue
             pending[counts["todo"]] = sample
             counts["todo"] += 1
+            # the writer publishes in this order: this job's own index order
             writer.expect(path)  # type: ignore[union-attr]
             yield sample.input_ids
 
-    tokens = 0
-    t0 = time.perf_counter()
-    with VllmHiddenStatesGenerator(
-        model, layer_ids=layer_ids, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+    gen_kwargs: dict[str, Any] = dict(
+        layer_ids=layer_ids, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
         gpu_memory_utilization=gpu_memory_utilization, capture=capture,
         pipeline_parallel_size=pipeline_parallel_size,
-    ) as gen:
-        if list(gen.layer_ids) != layer_ids:
-            raise RuntimeError(f"internal: the generator captures {gen.layer_ids}, the plan was {layer_ids}")
-        (output / MANIFEST).write_text(json.dumps({**settings, "complete": False}, indent=1) + "\n")
+    )
+    if replicas is None:
+        engines: Any = _LocalEngine(model, gen_kwargs)
+    else:
+        from .replicas import RayReplicas  # noqa: PLC0415
+
+        engines = RayReplicas(model, gen_kwargs, dtype=dtype, replicas=replicas, address=ray_address,
+                              chunk_size=chunk_size)
+    tokens = 0
+    t0 = time.perf_counter()
+    with engines:
+        if list(engines.layer_ids) != layer_ids:
+            raise RuntimeError(f"internal: the generator captures {engines.layer_ids}, the plan was {layer_ids}")
+        write_json_atomic(manifest_path, {**settings, "shard_index": shard_index, "complete": False})
         if resume_at:
             log.info("resuming in %s: %d file(s) there already (speculators would resume at data_%d)",
                      output, sum(1 for _ in output.glob("data_*.pt")), resume_at)
         try:
             from tqdm import tqdm  # noqa: PLC0415
 
-            bar = tqdm(unit="sample", desc="extracting")
+            bar = tqdm(unit="sample", desc="extracting" if not sharded else
+                       f"extracting (shard {shard_index} of {num_shards})")
         except ImportError:  # pragma: no cover
             bar = None
         with _Writer(max_queued=max_in_flight) as writer:
-            for k, res in gen.stream(prompts(), max_in_flight=max_in_flight):
+            for k, res in engines.stream(prompts(), max_in_flight=max_in_flight):
                 sample = pending.pop(k)
                 _validate(res, sample, layer_ids)
                 n = len(res["input_ids"])  # may be truncated to max_model_len - 1
@@ -564,14 +705,23 @@ def run_generate(
                     bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         if bar is not None:
             bar.close()
-        _write_data_config(gen, output, source, max_model_len, hf_cache_dir, counts["seen"], max_samples, seed)
-    log.info("%d samples, %d written now", counts["seen"], counts["todo"])
-    if token_freq is not None:
-        if Path(token_freq_path).exists():  # type: ignore[arg-type]
-            log.warning("%s exists: kept as it is, as speculators does (not recounted)", token_freq_path)
-        else:
-            Path(token_freq_path).parent.mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
-            torch.save(dict(token_freq), token_freq_path)
+        data_config = engines.data_config(
+            train_data_path=source, seq_length=max_model_len, cache_dir=_cache_dir(hf_cache_dir),
+            num_samples=counts["seen"], max_samples=max_samples, seed=seed)
+    data_config["reproducibility"]["command"] = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    log.info("%d samples, %d written now", counts["owned"], counts["todo"])
+    shard_tf: str | None = None
+    if sharded:
+        shard_tf = shard_token_freq_name(shard_index, num_shards)
+        write_json_atomic(output / shard_tf, {str(t): c for t, c in token_freq.items()})
+    else:
+        (output / DATA_CONFIG).write_text(json.dumps(data_config, indent=2))
+        if token_freq is not None:
+            if Path(token_freq_path).exists():  # type: ignore[arg-type]
+                log.warning("%s exists: kept as it is, as speculators does (not recounted)", token_freq_path)
+            else:
+                Path(token_freq_path).parent.mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
+                torch.save(dict(token_freq), token_freq_path)
     found = eagle3_compat.status().found
     manifest = {
         "format": "speculators-eagle3-v1",
@@ -580,7 +730,7 @@ def run_generate(
         "complete": True,
         "trainer_checks": trainer_checks,
         "layer_convention": CONVENTIONS[capture],
-        "samples": counts["seen"],
+        "samples": counts["owned"],
         "first_index": start_idx,
         "written_this_run": counts["todo"],
         "dropped_by_preprocessing": dropped,
@@ -595,23 +745,60 @@ def run_generate(
             "transformers": found.transformers,
         },
     }
-    (output / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    if replicas is not None:
+        manifest["replicas"] = replicas
+    if sharded:
+        manifest.update(shard_index=shard_index, input_samples=counts["seen"], data_config=data_config,
+                        token_freq_file=shard_tf)
+    write_json_atomic(manifest_path, manifest)
     return manifest
 
 
-def _write_data_config(gen: Any, output: Path, source: str, seq_length: int, cache_dir: str | None,
-                       num_samples: int, max_samples: int | None, seed: int) -> None:
-    """``data_config.json`` through speculators' own ``DataGenerationConfig``,
-    with the arguments its script passes (``save_config`` in
-    ``scripts/data_generation_offline.py``, v0.3.0)."""
-    from speculators.data_generation.config_generator import DataGenerationConfig  # noqa: PLC0415
+class _LocalEngine:
+    """One generator in this process: ``stream`` and ``data_config`` as
+    :class:`eagle3_compat.replicas.RayReplicas` has them."""
 
+    def __init__(self, model: str, gen_kwargs: dict[str, Any]) -> None:
+        self._model, self._kwargs = model, gen_kwargs
+        self._gen: Any = None
+
+    def __enter__(self) -> _LocalEngine:
+        from speculators.data_generation import VllmHiddenStatesGenerator  # noqa: PLC0415
+
+        self._gen = VllmHiddenStatesGenerator(self._model, **self._kwargs)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._gen.close()
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self._gen.layer_ids)
+
+    def stream(self, prompts: Iterator[list[int]], max_in_flight: int) -> Iterator[tuple[int, dict[str, Any]]]:
+        return self._gen.stream(prompts, max_in_flight=max_in_flight)
+
+    def data_config(self, **kw: Any) -> dict[str, Any]:
+        return data_config_dict(self._gen, **kw)
+
+
+def _cache_dir(cache_dir: str | None) -> str:
     if cache_dir is None:
         from datasets import config as datasets_config  # noqa: PLC0415
 
         cache_dir = str(datasets_config.HF_DATASETS_CACHE)
+    return str(cache_dir)
+
+
+def data_config_dict(gen: Any, *, train_data_path: str, seq_length: int, cache_dir: str,
+                     num_samples: int, max_samples: int | None, seed: int) -> dict[str, Any]:
+    """``data_config.json``'s content through speculators' own
+    ``DataGenerationConfig``, with the arguments its script passes
+    (``save_config`` in ``scripts/data_generation_offline.py``, v0.3.0)."""
+    from speculators.data_generation.config_generator import DataGenerationConfig  # noqa: PLC0415
+
     config = DataGenerationConfig.from_generator(
-        generator=gen, train_data_path=source, seq_length=seq_length, cache_dir=str(cache_dir),
+        generator=gen, train_data_path=train_data_path, seq_length=seq_length, cache_dir=cache_dir,
         num_samples=num_samples, max_samples=max_samples, seed=seed,
     )
-    (output / DATA_CONFIG).write_text(json.dumps(config.to_dict(), indent=2))
+    return config.to_dict()
