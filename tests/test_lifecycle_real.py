@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import version
 
 import pytest
 
@@ -52,7 +53,7 @@ PROBE = textwrap.dedent(
             "generate": G.__dict__["generate"] is g.generator_generate,
             "close": "close" in G.__dict__,
         }}
-    out = {{"after_apply": state(), "ran": ran}}
+    out = {{"after_apply": state(), "ran": ran, "spec_error": globals().get("spec_error")}}
     if before is not None:
         out["patched_on_import"] = patched_on_import
         out["changed"] = sorted(n for n, v in before.items() if G.__dict__.get(n) is not v)
@@ -110,15 +111,34 @@ def probe(order: tuple[str, ...]) -> dict:
     """The probe's result for this import order (one interpreter per order per session)."""
     if order not in _RUNS:
         lines = []
+        early = order.index("speculators") < order.index("apply")
         for step in order:
+            if step == "speculators" and early and TF5:
+                lines.append(TF5_IMPORT)
+                continue
             lines.append(f"{STEPS[step]}; ran.append({step!r})")
-            if step == "speculators" and order.index("speculators") < order.index("apply"):
+            if step == "speculators" and early:
                 lines.append(SNAPSHOT)
         _RUNS[order] = run(PROBE.format(steps="\n".join(lines)))
     return _RUNS[order]
 
 
 ORDERS = list(itertools.permutations(STEPS))
+
+# transformers 5 (vLLM 0.25+ here): speculators 0.3.0 cannot be imported
+# before apply() (adapter transformers5: PydanticUndefinedAnnotation, name
+# 'torch'); such an import fails as documented and the apply() after it
+# recovers.
+TF5 = int(version("transformers").split(".")[0]) >= 5
+TF5_IMPORT = textwrap.dedent(
+    """
+    try:
+        import speculators.data_generation
+        spec_error = None
+    except Exception as _e:
+        spec_error = f"{type(_e).__name__}: {_e}"
+    ran.append('speculators')"""
+)
 
 
 @pytest.mark.parametrize(
@@ -134,7 +154,12 @@ def test_every_import_order(order):
     assert out["after_revert"] == ORIGINAL
     assert out["after_second_revert"] == ORIGINAL
     assert out["reapplied"] == PATCHED
-    if order.index("speculators") < order.index("apply"):
+    if order.index("speculators") < order.index("apply") and TF5:
+        # the documented failure, and apply() recovered from it (PATCHED above)
+        assert "PydanticUndefinedAnnotation" in out["spec_error"], out["spec_error"]
+        assert "name 'torch' is not defined" in out["spec_error"]
+    elif order.index("speculators") < order.index("apply"):
+        assert out["spec_error"] is None
         assert out["same_objects"] is True
         # no EAGLE3_COMPAT_APPLIED in this child (conftest): importing
         # speculators does not patch; only apply() does
@@ -142,6 +167,9 @@ def test_every_import_order(order):
 
 
 def test_revert_restores_the_very_objects():
+    if TF5:
+        pytest.skip("transformers 5: speculators 0.3.0 cannot be imported before apply(), so its "
+                    "original objects cannot be recorded first (checked in the transformers 4 envs)")
     out = probe(ORDERS[0])  # speculators imported before apply: originals recorded
     assert out["changed"] == ["__del__", "__enter__", "__init__", "close", "generate"]
     assert out["same_objects"] is True
