@@ -257,6 +257,10 @@ class CaptureWorkerExtension:
             step = self._e3c_step
             if step is None:
                 return  # warm-up, profiling, or not armed: never captured
+            if h.dim() == 3 and h.shape[0] == 1:
+                # vLLM's Transformers backend (Olmo2 from vLLM 0.29) runs Hugging
+                # Face's decoder layers on a batch of one: [1, tokens, hidden].
+                h = h[0]
             # Scheduled rows only (padding never leaves the device).
             step.layers[slot] = offload.submit(slot, h[: step.total].detach(), owned)
 
