@@ -19,7 +19,17 @@ pydantic 2.11 and 2.14 alike).  speculators 0.3.0 sets no upper bound on
 transformers; vLLM requires transformers 5 from 0.25 (>= 5.5.3; 0.32:
 >= 5.16.1, < 5.20) and allows it from 0.19.
 
-How it is fixed: before anything imports speculators, ``torch`` (the real
+Newer transformers 5 (5.24 here; 5.19 still has it) also removed
+``transformers.modeling_attn_mask_utils``, which speculators 0.3.0's EAGLE-1
+model module (``speculators.models.eagle``, imported with the package)
+imports ``_prepare_4d_causal_attention_mask`` from: ``import speculators``
+fails with ``ModuleNotFoundError`` even with the fix above.
+
+How it is fixed: where that module is missing, a stand-in module is put in
+``sys.modules`` (journaled) whose ``_prepare_4d_causal_attention_mask``
+raises ``NotImplementedError`` naming this adapter: the EAGLE-1 model cannot
+run with such a transformers, loudly; the EAGLE-3 generator and trainer
+never call it.  And before anything imports speculators, ``torch`` (the real
 module) is set as a global of ``transformers.configuration_utils``, through
 the journal (``revert()`` deletes it), so the annotation resolves.  Nothing
 else changes; speculators' own classes are untouched.  What this cannot fix:
@@ -87,13 +97,44 @@ def probe() -> None:
         )
 
 
+MASK_UTILS = "transformers.modeling_attn_mask_utils"
+
+
+def _removed_mask_helper(*_args: Any, **_kwargs: Any) -> Any:
+    raise NotImplementedError(
+        f"eagle3_compat adapter {ID!r}: {MASK_UTILS}._prepare_4d_causal_attention_mask was "
+        "removed from transformers (gone in 5.24, present in 5.19); speculators 0.3.0's EAGLE-1 "
+        "model (speculators.models.eagle) needs it and cannot run with this transformers. "
+        "The EAGLE-3 generator and trainer do not use it."
+    )
+
+
+def _mask_utils_stand_in() -> Any:
+    import types  # noqa: PLC0415
+
+    mod = types.ModuleType(MASK_UTILS, f"stand-in made by eagle3_compat (adapter {ID}); see its record")
+    mod._prepare_4d_causal_attention_mask = _removed_mask_helper  # type: ignore[attr-defined]
+    mod.__eagle3_compat_stand_in__ = True  # type: ignore[attr-defined]
+    return mod
+
+
 def install(journal: Journal) -> None:
+    import importlib.util  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
     import torch  # noqa: PLC0415
 
     cu = _module()
-    if vars(cu).get("torch") is torch:
-        return  # already there (transformers itself, or an inheriting child's early fix)
-    journal.set(cu, "torch", torch)
+    if vars(cu).get("torch") is not torch:  # else: transformers itself, or an inheriting child's early fix
+        journal.set(cu, "torch", torch)
+    if MASK_UTILS not in sys.modules and importlib.util.find_spec(MASK_UTILS) is None:
+        # speculators 0.3.0 imports speculators.models.eagle (EAGLE-1) when its
+        # package loads; that module imports a helper newer transformers removed.
+        import transformers  # noqa: PLC0415
+
+        stand_in = _mask_utils_stand_in()
+        journal.set_item(sys.modules, MASK_UTILS, stand_in)
+        journal.set(transformers, "modeling_attn_mask_utils", stand_in)
 
 
 def install_early(_module_obj: Any = None) -> None:
@@ -108,7 +149,7 @@ def install_early(_module_obj: Any = None) -> None:
 
 ADAPTER = Adapter(
     id=ID,
-    targets=(TARGET,),
+    targets=(TARGET, f"sys.modules[{MASK_UTILS!r}] (stand-in, where transformers removed it)"),
     vllm_min=(0, 17),
     vllm_max=(0, 32),
     probe=probe,
