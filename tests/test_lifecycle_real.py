@@ -54,6 +54,9 @@ PROBE = textwrap.dedent(
             "close": "close" in G.__dict__,
         }}
     out = {{"after_apply": state(), "ran": ran, "spec_error": globals().get("spec_error")}}
+    import transformers.configuration_utils as _cu
+    # adapter transformers5 (transformers >= 5 only): torch resolvable there, and reverted
+    out["cu_torch_applied"] = "torch" in vars(_cu)
     if before is not None:
         out["patched_on_import"] = patched_on_import
         out["changed"] = sorted(n for n, v in before.items() if G.__dict__.get(n) is not v)
@@ -67,6 +70,9 @@ PROBE = textwrap.dedent(
     out["other_options_state"] = state()
     eagle3_compat.revert()
     out["after_revert"] = state()
+    out["cu_torch_after_revert"] = "torch" in vars(_cu)
+    out["stand_in_after_revert"] = getattr(
+        sys.modules.get("transformers.modeling_attn_mask_utils"), "__eagle3_compat_stand_in__", False)
     if before is not None:
         out["same_objects"] = all(G.__dict__.get(n) is v for n, v in before.items())
     out["status_after_revert"] = eagle3_compat.status().note
@@ -154,6 +160,8 @@ def test_every_import_order(order):
     assert out["after_revert"] == ORIGINAL
     assert out["after_second_revert"] == ORIGINAL
     assert out["reapplied"] == PATCHED
+    assert out["cu_torch_applied"] is TF5
+    assert out["cu_torch_after_revert"] is False and out["stand_in_after_revert"] is False
     if order.index("speculators") < order.index("apply") and TF5:
         # the documented failure, and apply() recovered from it (PATCHED above)
         assert "PydanticUndefinedAnnotation" in out["spec_error"], out["spec_error"]
