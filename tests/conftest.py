@@ -42,11 +42,13 @@ VLLM_DIFFERS_FROM_HF = {
 
 # Where vLLM's *own* model module for a family does not import (README,
 # "Verified families"): the family test records an expected failure there,
-# naming vLLM's error, and only there.  Seen: vLLM 0.19, 0.25 and 0.29 import
-# PixtralRotaryEmbedding from transformers in vllm/model_executor/models/
-# pixtral.py (which llava.py imports); transformers 5.24 has no such class.
+# naming vLLM's error, and only on these releases.  Seen (0.19 and 0.29 envs,
+# transformers 5.24): vllm/model_executor/models/llava.py -> pixtral.py ->
+# mistral_common -> transformers 5's image processing -> torchvision.transforms
+# ("No module named 'torchvision'"); compat/envs.py leaves torchvision out
+# (text models), and under transformers 4 (0.11-0.17) nothing imports it.
 VLLM_CANNOT_LOAD = {
-    "llava": ({(0, 19), (0, 25), (0, 29)}, "vllm.model_executor.models.llava"),
+    "llava": ({(0, 19), (0, 25), (0, 29), (0, 32)}, "vllm.model_executor.models.llava"),
 }
 
 
