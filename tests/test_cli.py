@@ -48,6 +48,10 @@ def _write_input(path):
 @pytest.mark.extended
 def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_models):
     import torch
+
+    from eagle3_compat.testing import ensure_applied
+
+    ensure_applied("float32")  # under transformers 5 speculators imports only after apply()
     from speculators.train.data import Eagle3SampleFileDataset
 
     from eagle3_compat.testing import hf_layer_outputs, max_rel_error
