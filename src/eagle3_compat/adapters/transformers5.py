@@ -34,8 +34,9 @@ module) is set as a global of ``transformers.configuration_utils``, through
 the journal (``revert()`` deletes it), so the annotation resolves.  Nothing
 else changes; speculators' own classes are untouched.  What this cannot fix:
 an ``import speculators`` that runs *before* ``apply()`` in a process where
-nothing applied yet fails as above (call ``apply()`` first; a failed import
-is recovered by the ``apply()`` that follows it).  Child processes of a
+nothing applied yet fails as above (call ``apply()`` first; after such a failed
+import, ``apply()`` drops the half-imported ``speculators.*`` modules it left
+in ``sys.modules``, so the next import runs afresh).  Child processes of a
 process that applied get the fix as soon as transformers' configuration
 module is imported (``eagle3_compat._inherit``).  Under transformers 5 the
 pydantic fields of speculators' configs also include transformers' config
@@ -124,6 +125,13 @@ def install(journal: Journal) -> None:
 
     import torch  # noqa: PLC0415
 
+    if "speculators" not in sys.modules:
+        # An ``import speculators`` that failed before apply() (the error this
+        # adapter prevents) leaves its half-run submodules in sys.modules, whose
+        # classes keep the unresolved annotation: drop them, so that the next
+        # import runs speculators afresh (with torch resolvable).
+        for name in [m for m in sys.modules if m.startswith("speculators.")]:
+            del sys.modules[name]
     cu = _module()
     if vars(cu).get("torch") is not torch:  # else: transformers itself, or an inheriting child's early fix
         journal.set(cu, "torch", torch)
