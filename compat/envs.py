@@ -204,7 +204,11 @@ def ensure(name: str) -> Path:
         run([uv(), "pip", "install", "--python", python, "--no-deps", "-r", lock])
         vllm_version = directives(spec_in)["vllm"]
         write_vllm_alias(python, vllm_version)
-        run([python, "-c", "import torch, vllm, speculators; print('ok', vllm.__version__)"])
+        # speculators itself is not imported: speculators 0.3.0 fails to import
+        # under transformers 5 (vLLM 0.25+) until eagle3_compat.apply() has run
+        # (adapter transformers5); its distribution must be there.
+        run([python, "-c", "import importlib.metadata as m, torch, vllm; "
+             "print('ok', vllm.__version__, 'speculators', m.version('speculators'))"])
         marker.write_text(lock.read_text())
     log(f"built {env}")
     return env

@@ -40,6 +40,33 @@ VLLM_DIFFERS_FROM_HF = {
 }
 
 
+# Where vLLM's *own* model module for a family does not import (README,
+# "Verified families"): the family test records an expected failure there,
+# naming vLLM's error, and only on these releases.  Seen (0.19 and 0.29 envs,
+# transformers 5.24): vllm/model_executor/models/llava.py -> pixtral.py ->
+# mistral_common -> transformers 5's image processing -> torchvision.transforms
+# ("No module named 'torchvision'"); compat/envs.py leaves torchvision out
+# (text models), and under transformers 4 (0.11-0.17) nothing imports it.
+VLLM_CANNOT_LOAD = {
+    "llava": ({(0, 19), (0, 25), (0, 29), (0, 32)}, "vllm.model_executor.models.llava"),
+}
+
+
+def vllm_cannot_load(family: str) -> str | None:
+    """vLLM's own import error for ``family``'s model module, or None."""
+    import importlib
+
+    entry = VLLM_CANNOT_LOAD.get(family)
+    module = entry[1] if entry else {"llava": "vllm.model_executor.models.llava"}.get(family)
+    if module is None:
+        return None
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return f"{module}: {type(exc).__name__}: {exc}"
+    return None
+
+
 FULL = os.environ.get("E3C_SUITE", "full") == "full"
 # Tests marked "once" check pure logic whose result does not depend on the
 # vLLM release (the mutants of the capture core): tox runs them in one env

@@ -48,6 +48,10 @@ def _write_input(path):
 @pytest.mark.extended
 def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_models):
     import torch
+
+    from eagle3_compat.testing import ensure_applied
+
+    ensure_applied("float32")  # under transformers 5 speculators imports only after apply()
     from speculators.train.data import Eagle3SampleFileDataset
 
     from eagle3_compat.testing import hf_layer_outputs, max_rel_error
@@ -114,7 +118,7 @@ def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_m
     assert item["verifier_last_hidden_states"].shape[-1] == 256
 
 
-@pytest.mark.extended
+# Not "extended": tensor parallel 2 is part of the correctness core that every env runs.
 def test_generate_with_tensor_parallel_2_matches_hf(tmp_path, tiny_models):
     """`generate --tensor-parallel-size 2` (README): two workers, rank 0 writes
     the arena; every file against HF float32."""

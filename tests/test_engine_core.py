@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3_compat.testing import ensure_applied
-from conftest import GEN_LAYERS, GEN_MAX_MODEL_LEN, VLLM_DIFFERS_FROM_HF
+from conftest import GEN_LAYERS, GEN_MAX_MODEL_LEN, VLLM_CANNOT_LOAD, VLLM_DIFFERS_FROM_HF, vllm_cannot_load
 from prompts import mixed_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("applied_f32")]
@@ -207,6 +207,15 @@ def test_other_family_matches_reference(tiny_models, family, vllm_minor, caplog)
 
     from eagle3_compat.testing import compare, hf_layer_outputs, vllm_layer_outputs
 
+    broken = vllm_cannot_load(family)
+    if broken is not None:
+        # vLLM's own module for this family does not import here: allowed only
+        # on the releases the README names, and recorded as such.
+        assert vllm_minor in VLLM_CANNOT_LOAD.get(family, ((), ""))[0], broken
+        from importlib.metadata import version
+
+        pytest.xfail(f"vLLM {vllm_minor[0]}.{vllm_minor[1]} itself cannot load {family} with "
+                     f"transformers {version('transformers')}: {broken}")
     model = tiny_models(family)
     prompts = mixed_prompts(6, 400, seed=5)
     layers = [1, 4]

@@ -55,7 +55,9 @@ def test_journal_undo_to_mark_rolls_back_only_later_changes():
     [
         ("0.16.0+cpu", True),  # CPU build alias
         ("0.16.1.dev3+gabc1234", True),  # nightly counts as its release
-        ("0.17.0rc1", False),  # next release candidate: outside
+        ("0.17.0rc1", True),  # release candidate counts as its release (0.17: inside)
+        ("0.32.1", True),  # newest supported minor
+        ("0.33.0rc1", False),  # next release candidate: outside
         ("0.11.0.post2", True),  # post release
         ("0.10.2", False),
         ("1.0.0", False),
@@ -72,7 +74,7 @@ def test_version_support(text, supported):
 def test_version_minor_property(rel, suffix):
     v = parse(".".join(map(str, rel)) + suffix)
     assert minor(v) == rel[:2]
-    assert vllm_supported(v) == ((0, 11) <= rel[:2] <= (0, 16))
+    assert vllm_supported(v) == ((0, 11) <= rel[:2] <= (0, 32))
 
 
 def test_bad_version_is_named():
@@ -120,7 +122,7 @@ def test_not_installed_is_a_quiet_noop():
 def test_unsupported_version_warns_or_raises_in_strict_mode():
     code = """
         import os, warnings, eagle3_compat
-        os.environ["EAGLE3_COMPAT_VLLM_VERSION"] = "0.17.0rc1"
+        os.environ["EAGLE3_COMPAT_VLLM_VERSION"] = "0.33.0rc1"
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             st = eagle3_compat.apply()
@@ -137,8 +139,8 @@ def test_unsupported_version_warns_or_raises_in_strict_mode():
     if "not installed" in out:
         pytest.skip("speculators not installed here")
     first, second = out.strip().splitlines()
-    assert first.startswith("False 1 ") and "0.17.0rc1" in first and "0.11 to 0.16" in first
-    assert second.startswith("strict:") and "0.17.0rc1" in second
+    assert first.startswith("False 1 ") and "0.33.0rc1" in first and "0.11 to 0.32" in first
+    assert second.startswith("strict:") and "0.33.0rc1" in second
 
 
 INHERIT = """

@@ -35,7 +35,7 @@ def test_status_cli_prints_versions_and_adapters():
     from packaging.version import Version
 
     from eagle3_compat.adapters import ADAPTERS
-    from eagle3_compat.versions import minor
+    from eagle3_compat.versions import detect, minor
 
     proc = cli("status")
     assert proc.returncode == 0, proc.stderr
@@ -49,9 +49,11 @@ def test_status_cli_prints_versions_and_adapters():
     assert rows["applied"] == "no"  # without applying
     vminor = minor(Version(vllm.__version__))
     ids = [a.id for a in ADAPTERS]
-    assert ids  # generator-engine, worker-capture
+    assert ids  # transformers5, generator-engine, worker-capture
+    found = detect()
     for a in ADAPTERS:
-        want = "not applied yet (needed on this vLLM)" if a.applies_to(vminor) else "skipped: not needed on"
+        need = a.applies_to(vminor) and a.needed_for(found)
+        want = "not applied yet (needed on this vLLM)" if need else "skipped: not needed"
         assert rows[f"adapter {a.id}"].startswith(want), (a.id, proc.stdout)
     # after apply(), the same table says which are active
     from eagle3_compat.testing import ensure_applied
@@ -60,7 +62,7 @@ def test_status_cli_prints_versions_and_adapters():
     after = _rows(str(report))
     assert after["applied"] == "yes"
     assert [k[len("adapter "):] for k, v in after.items() if v == "active"] == [
-        a.id for a in ADAPTERS if a.applies_to(vminor)]
+        a.id for a in ADAPTERS if a.applies_to(vminor) and a.needed_for(found)]
 
 
 # README: "`eagle3-compat doctor`: versions (CPU or CUDA build), ..."

@@ -1,4 +1,4 @@
-"""eagle3_compat: speculators 0.3.0's EAGLE-3 hidden-state generator, correct on vLLM 0.11-0.16.
+"""eagle3_compat: speculators 0.3.0's EAGLE-3 hidden-state generator, correct on vLLM 0.11-0.32.
 
 Usage::
 
@@ -82,10 +82,12 @@ def status() -> Status:
 
         vminor = minor(vv)
         for adapter in ADAPTERS:
-            if adapter.applies_to(vminor):
-                report.pending.append(adapter.id)
-            else:
+            if not adapter.applies_to(vminor):
                 report.skipped[adapter.id] = f"not needed on vLLM {vminor[0]}.{vminor[1]}"
+            elif not adapter.needed_for(report.found):
+                report.skipped[adapter.id] = f"not needed with transformers {report.found.transformers}"
+            else:
+                report.pending.append(adapter.id)
     return report
 
 
@@ -156,6 +158,9 @@ def apply(*, dtype: str | None = None) -> Status:
             current = adapter
             if not adapter.applies_to(vminor):
                 report.skipped[adapter.id] = f"not needed on vLLM {vminor[0]}.{vminor[1]}"
+                continue
+            if not adapter.needed_for(found):
+                report.skipped[adapter.id] = f"not needed with transformers {found.transformers}"
                 continue
             adapter.probe()
             adapter.install(journal)

@@ -59,4 +59,14 @@ def install() -> None:
     import wrapt  # noqa: PLC0415  (only in processes that inherit apply())
 
     _registered = True
+    # transformers 5: speculators 0.3.0 fails in its own package import, before
+    # the hook below could fire; the transformers5 adapter's change is made as
+    # soon as transformers' configuration module exists (a no-op under 4).
+    wrapt.register_post_import_hook(_transformers5_early, "transformers.configuration_utils")
     wrapt.register_post_import_hook(lambda _module: _apply(options), TARGET)
+
+
+def _transformers5_early(_module: Any) -> None:
+    from eagle3_compat.adapters import transformers5  # noqa: PLC0415
+
+    transformers5.install_early()

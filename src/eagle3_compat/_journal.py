@@ -24,6 +24,32 @@ class _NotSet:
 NOTSET: Any = _NotSet()
 
 
+class _Item:
+    """A mapping seen as an object whose attributes are its items (for the journal)."""
+
+    def __init__(self, mapping: Any) -> None:
+        object.__setattr__(self, "mapping", mapping)
+
+    @property
+    def __dict__(self) -> Any:  # type: ignore[override]  # vars() reads the items
+        return self.mapping
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.mapping[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        try:
+            del self.mapping[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, _Item) and isinstance(b, _Item):
+        return a.mapping is b.mapping
+    return a is b
+
+
 class Journal:
     def __init__(self) -> None:
         self._entries: list[tuple[Any, str, Any]] = []
@@ -33,12 +59,17 @@ class Journal:
 
     def set(self, owner: Any, name: str, value: Any) -> None:
         """``owner.name = value``, remembering the original (from ``__dict__``)."""
-        if not any(o is owner and n == name for o, n, _ in self._entries):
+        if not any(_same(o, owner) and n == name for o, n, _ in self._entries):
             # Read through __dict__, not getattr: an inherited attribute must not
             # be copied onto the subclass on undo, and descriptors stay intact.
             original = vars(owner).get(name, NOTSET)
             self._entries.append((owner, name, original))
         setattr(owner, name, value)
+
+    def set_item(self, mapping: Any, key: str, value: Any) -> None:
+        """``mapping[key] = value`` (e.g. a ``sys.modules`` entry), journaled
+        the same way; undo restores the original entry or deletes the key."""
+        self.set(_Item(mapping), key, value)
 
     def mark(self) -> int:
         return len(self._entries)

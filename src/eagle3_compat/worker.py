@@ -49,6 +49,7 @@ from .arena import LocalSink, ShmSink, forget_all, layout_for
 from .capture import CaptureError, StepLayout, StepSlicer
 from .logs import attach_to_vllm_logging, get_logger
 from .offload import HostOffload, Staged
+from .runners import UnknownRunnerError, runner_kind, runner_layout, runner_token_ids
 
 __all__ = ["CaptureWorkerExtension", "WORKER_EXTENSION"]
 
@@ -277,6 +278,8 @@ class CaptureWorkerExtension:
         if getattr(self, "_e3c_active", False):
             raise RuntimeError("eagle3_compat: capture is already set up in this worker")
         runner = self.model_runner  # type: ignore[attr-defined]
+        # The runner the engine actually built (V1 or V2 layout; an unknown one is refused).
+        self._e3c_runner_kind = runner_kind(runner)
         model = runner.get_model() if hasattr(runner, "get_model") else runner.model
         base, layers = _decoder_layers(model)
         n_layers = len(layers)
@@ -312,6 +315,10 @@ class CaptureWorkerExtension:
             step = self._e3c_step
             if step is None:
                 return  # warm-up, profiling, or not armed: never captured
+            if h.dim() == 3 and h.shape[0] == 1:
+                # vLLM's Transformers backend (Olmo2 from vLLM 0.29) runs Hugging
+                # Face's decoder layers on a batch of one: [1, tokens, hidden].
+                h = h[0]
             # Scheduled rows only (padding never leaves the device).
             step.layers[slot] = offload.submit(slot, h[: step.total].detach(), owned)
 
@@ -338,8 +345,7 @@ class CaptureWorkerExtension:
                 # Multimodal models get inputs_embeds only ("always embeddings,
                 # even for text", vLLM's GPU model runner); the token ids the
                 # embeddings came from are still in the runner's buffer.
-                buf = getattr(runner, "input_ids", None)
-                buf = getattr(buf, "gpu", buf)
+                buf = runner_token_ids(runner, self._e3c_runner_kind)
                 input_ids = buf if isinstance(buf, torch.Tensor) else None
             positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
             if positions is not None:
@@ -366,7 +372,8 @@ class CaptureWorkerExtension:
             call = self._e3c_call
             scheduler_output = args[0] if args else kwargs["scheduler_output"]
             total = scheduler_output.total_num_scheduled_tokens
-            if call is None or not total:
+            # The V2 runner's own warm-up/profile steps (dummy_run=True) are never captured.
+            if call is None or not total or kwargs.get("dummy_run"):
                 return wrapped(*args, **kwargs)
             # Step-local state: a fetch() that races with an in-flight step
             # (async scheduling) detaches the call; this step's rows then go
@@ -402,6 +409,7 @@ class CaptureWorkerExtension:
             "hidden_size": self._e3c_hidden,
             "device": str(param.device),
             "torch": str(torch.__version__),
+            "runner": self._e3c_runner_kind,
         }
         log.info(
             "capture hooks on %s layers %s (pipeline stage %d of %d, owning layers %d..%d; rank0=%s)",
@@ -421,20 +429,21 @@ class CaptureWorkerExtension:
                 f"(layer ids {missing}); is the model compiled or wrapped so that module "
                 "hooks do not run?"
             )
-        # The runner lays tokens out in input_batch.req_ids order (after its own
-        # reordering for the attention backend), each request's scheduled tokens
-        # contiguous; read that order (now: the batch changes at the next step)
-        # rather than assume the scheduler's.
-        req_ids = [r for r in runner.input_batch.req_ids if r is not None]
-        counts = scheduler_output.num_scheduled_tokens
+        # The runner lays tokens out in its own request order (V1: input_batch
+        # after its reordering for the attention backend; V2: sorted, decodes
+        # first), each request's scheduled tokens contiguous; read that order
+        # now (the batch changes at the next step) rather than assume the
+        # scheduler's (eagle3_compat.runners).
         try:
-            layout = StepLayout(tuple(req_ids), tuple(int(counts.get(r, 0)) for r in req_ids))
+            layout = runner_layout(
+                runner, self._e3c_runner_kind, scheduler_output.num_scheduled_tokens
+            )
             if layout.total != step.total:
                 raise CaptureError(
                     f"step layout covers {layout.total} tokens but {step.total} were scheduled; "
                     "cannot attribute rows"
                 )
-        except CaptureError as exc:
+        except (CaptureError, UnknownRunnerError) as exc:
             step.release()
             call.error = call.error or str(exc)
             return

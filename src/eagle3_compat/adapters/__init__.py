@@ -39,9 +39,16 @@ class Adapter:
     install: Callable[[Journal], None]
     upstream: str
     remove_when: str
+    # Fine choice by what is installed besides vLLM (e.g. the transformers
+    # major version), read from metadata (a versions.Found); None: always.
+    needed: Callable[[Any], bool] | None = None
 
     def applies_to(self, vllm_minor: tuple[int, int]) -> bool:
         return self.vllm_min <= vllm_minor <= self.vllm_max
+
+    def needed_for(self, found: Any) -> bool:
+        """Whether this adapter is needed with the packages ``found`` (after :meth:`applies_to`)."""
+        return self.needed is None or bool(self.needed(found))
 
 
 # Architectures whose capture is checked against a reference in the test
@@ -74,9 +81,10 @@ def refuse_unverified(config: Any) -> None:
 
 
 def _load() -> tuple[Adapter, ...]:
-    from . import generator_engine, worker_capture  # noqa: PLC0415
+    from . import generator_engine, transformers5, worker_capture  # noqa: PLC0415
 
-    return (generator_engine.ADAPTER, worker_capture.ADAPTER)
+    # transformers5 first: the others' probes import speculators.
+    return (transformers5.ADAPTER, generator_engine.ADAPTER, worker_capture.ADAPTER)
 
 
 class _Lazy:

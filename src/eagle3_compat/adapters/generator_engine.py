@@ -24,6 +24,16 @@ cache and chunk prompts, turns prefix caching off, and attributes rows from
 what each step actually scheduled.  ``close()``, ``__enter__`` and
 ``__exit__`` are added.
 
+vLLM 0.17 to 0.32 (read from the CPU wheels and run in CI on 0.17, 0.19,
+0.25, 0.29, 0.32): the offline-engine surface used here is unchanged.
+``LLMEngine.add_request`` returns the engine's internal request id from
+0.17 (the id we pass gets ``-<random>`` appended; ours are parsed with the
+suffix ignored, and ``abort_request`` still takes the ids we passed);
+passing a raw prompt dict logs a one-time deprecation warning from 0.17 (it
+still works in 0.32: the replacement, ``Renderer.render_cmpl``, does not
+exist before 0.17); ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` (0.17) is not
+needed.
+
 Upstream change: speculators 0.4.0 ported the hand-driven loop to vLLM
 0.12-0.16 (and keeps some of the row bugs: see findings).
 Remove when: speculators 0.3.0 is no longer used.
@@ -93,9 +103,10 @@ ADAPTER = Adapter(
         for n in ("__init__", "generate", "__del__", "close", "__enter__", "__exit__", "stream")
     ),
     vllm_min=(0, 11),
-    vllm_max=(0, 16),
+    vllm_max=(0, 32),
     probe=probe,
     install=install,
-    upstream="speculators 0.3.0 targets vLLM 0.11 internals; vLLM 0.12-0.16 changed them (findings §2)",
+    upstream="speculators 0.3.0 targets vLLM 0.11 internals; vLLM 0.12-0.16 changed them (findings §2); "
+    "0.17+: add_request returns the internal id, raw prompt dicts deprecated",
     remove_when="speculators 0.3.0 is no longer supported",
 )

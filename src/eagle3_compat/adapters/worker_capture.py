@@ -29,6 +29,18 @@ an instance attribute; the ``GPUModelRunner`` class is not touched).
 ``e3c_teardown`` removes the hooks and the instance attribute; the engine's
 shutdown ends the processes either way.
 
+vLLM 0.22 to 0.32: the new model runner (``vllm/v1/worker/gpu/
+model_runner.py``, "Model Runner V2") becomes the default (Qwen3 in 0.22,
+Llama/Mistral/DeepseekV2 in 0.24, dense models in 0.25, all in 0.29; the
+old runner deprecated, still in 0.32).  It has no ``runner.input_batch`` /
+``runner.input_ids``, orders rows decodes first then by token count, and its
+``execute_model`` takes more keyword arguments.  The worker reads the layout
+of the runner the engine actually built (:mod:`eagle3_compat.runners`:
+``v1`` or ``v2``, an unknown one refused naming this adapter and the vLLM
+version).  On the CPU platform the V2 runner never runs ("Model Runner V2
+requires Triton; using the V1 model runner instead", 0.25 to 0.32): its
+layout is tested as pure logic only.  The probe accepts either runner module.
+
 Remove when: speculators 0.3.0 is no longer supported.
 """
 
@@ -40,15 +52,36 @@ from . import Adapter, AdapterError
 ID = "worker-capture"
 
 
-def probe() -> None:
-    from vllm.config import ParallelConfig  # noqa: PLC0415
-    from vllm.v1.worker.gpu_input_batch import InputBatch  # noqa: PLC0415
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: PLC0415
-
+def _v1_runner_ok() -> bool:
+    try:
+        from vllm.v1.worker.gpu_input_batch import InputBatch  # noqa: PLC0415
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: PLC0415
+    except ImportError:
+        return False
     if not callable(getattr(GPUModelRunner, "execute_model", None)):
         raise AdapterError(ID, "vllm GPUModelRunner.execute_model", "missing")
     if not hasattr(InputBatch, "req_ids"):
         raise AdapterError(ID, "vllm InputBatch.req_ids", "missing (batch layout unknown)")
+    return True
+
+
+def _v2_runner_ok() -> bool:
+    try:
+        from vllm.v1.worker.gpu import model_runner  # noqa: PLC0415
+    except ImportError:
+        return False
+    return callable(getattr(getattr(model_runner, "GPUModelRunner", None), "execute_model", None))
+
+
+def probe() -> None:
+    from vllm.config import ParallelConfig  # noqa: PLC0415
+
+    # Either runner may be what the engine builds; the worker reads which
+    # (eagle3_compat.runners).  vLLM 0.11-0.21 have only the V1 runner.
+    if not (_v1_runner_ok() or _v2_runner_ok()):
+        raise AdapterError(
+            ID, "vllm GPUModelRunner", "neither the V1 nor the V2 model runner module imports"
+        )
     if "worker_extension_cls" not in getattr(ParallelConfig, "__dataclass_fields__", {}):
         raise AdapterError(ID, "vllm ParallelConfig.worker_extension_cls", "missing")
 
@@ -61,9 +94,10 @@ ADAPTER = Adapter(
     id=ID,
     targets=("eagle3_compat.worker.CaptureWorkerExtension (worker_extension_cls)",),
     vllm_min=(0, 11),
-    vllm_max=(0, 16),
+    vllm_max=(0, 32),
     probe=probe,
     install=install,
-    upstream="vLLM 0.12 renamed get_input_embeddings; vLLM 0.16 DeepseekV2 layers take llama_4_scaling",
+    upstream="vLLM 0.12 renamed get_input_embeddings; vLLM 0.16 DeepseekV2 layers take llama_4_scaling; "
+    "vLLM 0.22-0.29 made the V2 model runner the default (other layout)",
     remove_when="speculators 0.3.0 is no longer supported",
 )
