@@ -1,21 +1,24 @@
 """The arena: where one call's hidden states go from the rank-0 worker to the user.
 
-The driver (the user's process) creates one file per ``generate()`` call in
-``/dev/shm``, sized for every prompt and layer, and names it in the arm
-RPC.  The rank-0 worker maps it and writes each captured run of rows to
-its final place (prompt ``i``, layer ``j``, position ``p``) as the steps
-run; at the end of the call it replies with metadata only.  The driver maps
-prompt ``i``'s block and hands out tensors that *are* that memory: no
+The driver (the user's process) leases one file per ``generate()`` call
+(one per prompt for a stream) in ``/dev/shm``, sized for every prompt and
+layer, and names it in the arm RPC.  The rank-0 worker maps it and writes
+each captured run of rows to its final place (prompt ``i``, layer ``j``,
+position ``p``) as the steps run; at the end of the call it replies with
+metadata only.  The driver hands out tensors that *are* that memory: no
 serialisation, no copy, whatever the size of the call.
 
 Lifetime: the driver unlinks the file's name as soon as the worker has
 mapped it (after the arm RPC), so ``/dev/shm`` holds a name only for the
 duration of that RPC and nothing is left behind by a killed worker, a dead
 engine or an interrupted driver; the memory itself is returned when the
-last mapping goes (the worker drops its mapping at fetch; the driver's
-mappings live exactly as long as the result tensors that use them, one
-mapping per prompt).  Names left by a driver that was killed inside the arm
-RPC carry its pid and are removed by the next driver on the machine.
+last mapping goes.  Files are reused (:class:`ArenaPool`): once every
+result tensor of a call is gone, its file, still mapped in the driver and
+the worker, serves a later call of a similar size; the pool keeps a
+bounded number of bytes and frees the rest (and everything at ``close()``),
+and the worker unmaps what the driver freed at its next RPC.  Names left by
+a driver that was killed inside the arm RPC carry its pid and are removed
+by the next driver on the machine.
 
 Each result tensor's storage is exactly its own rows (``torch.frombuffer``
 with ``count``), so ``torch.save`` of a sample writes that sample only.

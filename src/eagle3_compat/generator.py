@@ -15,7 +15,8 @@ does chunked prefill and both step phases itself, and returns
 The tensor-rank-0 worker (of each pipeline stage) writes each step's rows
 straight into a shared-memory arena the driver created for the call
 (:mod:`eagle3_compat.arena`); the driver checks the metadata with
-:func:`eagle3_compat.capture.check_segments` and hands out tensors that are views of that memory, one mapping per prompt.
+:func:`eagle3_compat.capture.check_segments` and hands out tensors that are
+views of that memory (files reused across calls: :class:`eagle3_compat.arena.ArenaPool`).
 """
 
 from __future__ import annotations
