@@ -27,6 +27,35 @@ PP_TOL = 1e-5  # PP 2 against TP 1, both float32
 HF_TOL = 1e-4
 
 
+@pytest.fixture(autouse=True)
+def _verified_release(request, vllm_minor):
+    """Pipeline parallelism is verified (and allowed) on vLLM 0.11-0.16 only;
+    elsewhere only the refusal is tested."""
+    from eagle3_compat.generator import PIPELINE_VERIFIED
+
+    inside = PIPELINE_VERIFIED[0] <= vllm_minor <= PIPELINE_VERIFIED[1]
+    if not inside and "refused" not in request.node.name:
+        pytest.skip(f"pipeline parallelism is refused on vLLM {vllm_minor} (verified {PIPELINE_VERIFIED})")
+
+
+def test_pipeline_parallel_refused_outside_the_verified_releases(tiny_models, vllm_minor, monkeypatch):
+    """Outside 0.11-0.16 the generator refuses PP before the engine starts,
+    naming the releases; inside, the override makes it refuse too."""
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    from eagle3_compat.generator import _check_pipeline_release
+
+    model = str(tiny_models("llama"))
+    monkeypatch.setenv("EAGLE3_COMPAT_VLLM_VERSION", "0.32.0")
+    with pytest.raises(ValueError, match=r"verified on vLLM 0.11-0.16 only, and this is vLLM 0.32.0"):
+        _check_pipeline_release(2)
+    _check_pipeline_release(1)
+    monkeypatch.delenv("EAGLE3_COMPAT_VLLM_VERSION")
+    if vllm_minor > (0, 16):
+        with pytest.raises(ValueError, match="verified on vLLM 0.11-0.16 only"):
+            VllmHiddenStatesGenerator(model, layer_ids=[1], pipeline_parallel_size=2)
+
+
 @pytest.fixture(scope="module")
 def two_cores():
     with pytest.MonkeyPatch.context() as m:
@@ -41,7 +70,11 @@ def _pp2(model, layers, **kw):
 
 
 @pytest.fixture(scope="module")
-def pp_llama(tiny_models, two_cores):
+def pp_llama(tiny_models, two_cores, vllm_minor):
+    from eagle3_compat.generator import PIPELINE_VERIFIED
+
+    if not PIPELINE_VERIFIED[0] <= vllm_minor <= PIPELINE_VERIFIED[1]:  # (module scope: before the autouse skip)
+        pytest.skip(f"pipeline parallelism is refused on vLLM {vllm_minor}")
     g = _pp2(tiny_models("llama"), LAYERS, max_model_len=GEN_MAX_MODEL_LEN)
     yield g
     g.close()

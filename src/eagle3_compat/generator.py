@@ -139,6 +139,7 @@ def generator_init(
     ):
         raise ValueError(f"model_path {model_path!r} does not exist")
     _check_parallel(tensor_parallel_size, pipeline_parallel_size)
+    _check_pipeline_release(pipeline_parallel_size)
     if capture not in CAPTURE_POINTS:
         raise ValueError(f"capture must be one of {CAPTURE_POINTS}, got {capture!r}")
     self.capture = capture
@@ -219,6 +220,27 @@ def _check_parallel(tp: Any, pp: Any = 1) -> None:
         asked = f"tensor_parallel_size={tp}" if pp == 1 else (
             f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {tp * pp} workers")
         raise ValueError(f"{asked} but only {available} {what} are available")
+
+
+PIPELINE_VERIFIED = ((0, 11), (0, 16))
+
+
+def _check_pipeline_release(pp: int) -> None:
+    """Pipeline parallelism only where it was verified: vLLM 0.11-0.16 (on
+    the 0.32 CPU build its engine core fails with a KeyError on our first
+    request under PP; 0.17-0.29 are not verified)."""
+    if pp == 1:
+        return
+    from .versions import detect, minor  # noqa: PLC0415
+
+    found = detect().vllm_version
+    lo, hi = PIPELINE_VERIFIED
+    if found is not None and not lo <= minor(found) <= hi:
+        raise ValueError(
+            f"pipeline_parallel_size={pp}: eagle3_compat's pipeline-parallel capture is verified on "
+            f"vLLM {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]} only, and this is vLLM {found}; use "
+            "pipeline_parallel_size=1 (tensor parallelism works on every supported release)"
+        )
 
 
 def _as_prompt_list(token_ids: Any, vocab: int | None = None) -> list[list[int]]:

@@ -20,6 +20,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -429,6 +430,17 @@ def _shipped_by_value() -> Any:
 
     import cloudpickle  # noqa: PLC0415
 
+    from .versions import detect, minor  # noqa: PLC0415
+
+    found = detect().vllm_version
+    if found is not None and minor(found) >= (0, 25):
+        # vLLM's engine core (seen on 0.25 and 0.32; 0.19 still ships by value)
+        # unpickles the function and pickles it again
+        # for its workers with plain pickle, by reference: a by-value copy is
+        # then "not the same object as eagle3_compat.testing._ref_restore".
+        # By reference there (the worker imports this module itself).
+        yield
+        return
     module = sys.modules[__name__]
     registered = __name__ in cloudpickle.list_registry_pickle_by_value()
     if not registered:
@@ -526,7 +538,9 @@ class VllmReference:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         by_layer: dict[int, list[Any]] = {}
         for k in dict.fromkeys(ids):
-            self._apply(lambda m, k=k: _ref_truncate(m, k))
+            # functools.partial, not a lambda: vLLM 0.32's apply_model pickles
+            # the function (a local lambda cannot be pickled).
+            self._apply(functools.partial(_ref_truncate, k=k))
             try:
                 for p in prompts:
                     self.llm.generate([{"prompt_token_ids": list(p)}], params, use_tqdm=False)
