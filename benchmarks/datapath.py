@@ -68,6 +68,7 @@ class BenchExtension(CaptureWorkerExtension):
         g = torch.Generator().manual_seed(0)
         self._bench_rows = [torch.randn(STEP_TOKENS, HIDDEN, generator=g).bfloat16() for _ in range(LAYERS)]
         self._e3c_layer_ids = list(range(LAYERS))  # the synthetic shape, not the tiny model's
+        self._e3c_slots = list(range(LAYERS))
         self._e3c_hidden, self._e3c_dtype = HIDDEN, "bfloat16"
 
     def _bench_steps(self, lengths: list[int]):
@@ -108,7 +109,7 @@ class BenchExtension(CaptureWorkerExtension):
             for s, rows in enumerate(self._bench_rows):
                 # the hook's rows: hidden + residual, a tensor the capture made
                 step.layers[s] = off.submit(s, rows[:n], owned=True)
-            off.run(lambda step=step, layout=StepLayout(tuple(req), tuple(cnt)): state.process(step, layout, LAYERS))
+            off.run(lambda step=step, layout=StepLayout(tuple(req), tuple(cnt)): state.process(step, layout, list(range(LAYERS))))
         reply = self.e3c_take(call, 0)
         reply["armed"] = armed
         return reply
@@ -214,7 +215,7 @@ def main() -> int:
     from vllm import LLM
 
     from eagle3_compat.arena import ArenaPool, layout_for
-    from eagle3_compat.capture import make_request_id, rank0_reply
+    from eagle3_compat.capture import make_request_id, merge_stage_captures, rank0_reply, stage_replies
     from eagle3_compat.generator import collect_results
     from eagle3_compat.testing import make_tiny_model
 
@@ -232,7 +233,8 @@ def main() -> int:
             layout = layout_for(lengths, LAYERS, HIDDEN, "bfloat16")
             arena = None if force_rpc else pools[pool].lease(layout)
             spec = None if arena is None else arena.spec()
-            captured = rank0_reply(llm.collective_rpc("bench_arena", args=(call[0], lengths, spec)))
+            captured = merge_stage_captures(
+                stage_replies(llm.collective_rpc("bench_arena", args=(call[0], lengths, spec))), list(range(LAYERS)))
             if arena is not None:
                 arena.unlink()
             prompts = [[1] * n for n in lengths]
