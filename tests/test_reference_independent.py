@@ -171,10 +171,11 @@ def test_worker_records_are_read_strictly():
 # forward, truncated) is still used there by test_matches_vllm_own_forward
 # and the DeepseekV3 tests.
 def _by_value_releases_only():
+    from eagle3_compat.testing import BY_REFERENCE_FROM
     from eagle3_compat.versions import detect, minor
 
     found = detect().vllm_version
-    if found is not None and minor(found) >= (0, 25):
+    if found is not None and minor(found) >= BY_REFERENCE_FROM:
         pytest.skip("vLLM 0.25+ re-pickles functions by reference in its engine core")
 
 

@@ -411,6 +411,11 @@ def _ref_reply(reply: Any) -> Any:
     return reply[0]
 
 
+# vLLM releases whose engine core pickles worker functions again (plain
+# pickle, by reference) for its workers: the reference ships them by reference.
+BY_REFERENCE_FROM = (0, 25)
+
+
 @contextlib.contextmanager
 def _shipped_by_value() -> Any:
     """While open, functions of this module are pickled (cloudpickle, as
@@ -433,7 +438,7 @@ def _shipped_by_value() -> Any:
     from .versions import detect, minor  # noqa: PLC0415
 
     found = detect().vllm_version
-    if found is not None and minor(found) >= (0, 25):
+    if found is not None and minor(found) >= BY_REFERENCE_FROM:
         # vLLM's engine core (seen on 0.25 and 0.32; 0.19 still ships by value)
         # unpickles the function and pickles it again
         # for its workers with plain pickle, by reference: a by-value copy is
