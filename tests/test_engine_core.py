@@ -128,16 +128,24 @@ def test_worker_memory_returns_to_level(gen):
     per_call = sum(map(len, prompts)) * len(LAYERS) * 256 * 4  # bytes of rows per call
     for _ in range(2):
         gen.generate(prompts)
+    from eagle3_compat.worker import anon_rss
+
     before = gen.llm.collective_rpc("e3c_memory")[0]
-    driver_before = psutil.Process().memory_info().rss
+    driver_before, pool_before = anon_rss(), gen._e3c_pool.stats()
     for _ in range(4):
-        gen.generate(prompts)  # results dropped at once: their arena goes with them
+        gen.generate(prompts)  # results dropped at once: their arena goes back to the pool
     after = gen.llm.collective_rpc("e3c_memory")[0]
-    driver_after = psutil.Process().memory_info().rss
+    driver_after, pool_after = anon_rss(), gen._e3c_pool.stats()
     assert before["call_open"] is False and after["call_open"] is False
-    # Four more calls moved ~4 * per_call bytes through the worker and the
-    # driver; a leak of even a quarter of one call's rows would show.
-    assert after["rss"] - before["rss"] < per_call / 4, (per_call, before, after)
+    # The arena files: a file of the pool took every call, in the driver and
+    # in the worker (nothing new made, mapped or kept).
+    assert pool_after == pool_before and pool_after["free_files"] >= 1, (pool_before, pool_after)
+    assert after["kept_maps"] == before["kept_maps"] != [], (before, after)
+    assert after["kept_bytes"] == before["kept_bytes"] >= per_call, (per_call, before, after)
+    # Everything else (heap, tensors): four more calls moved ~4 * per_call
+    # bytes through the worker and the driver; a leak of even a quarter of
+    # one call's rows would show.
+    assert after["anon"] - before["anon"] < per_call / 4, (per_call, before, after)
     assert driver_after - driver_before < per_call / 4, (per_call, driver_before, driver_after)
     assert _shm_names() == []
 

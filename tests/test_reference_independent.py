@@ -180,45 +180,51 @@ def _by_value_releases_only():
 
 
 def test_worker_functions_travel_by_value(monkeypatch):
-    _by_value_releases_only()
     """The engine worker unpickles what apply_model sends long after the
     driver imported eagle3_compat.testing.  Shipped by reference, it would
     run whatever version of the module it imports then; shipped by value
     (as VllmReference does), it runs the driver's.  Here the "worker's"
-    module is swapped for a stale one between pickling and unpickling."""
+    module is swapped for a stale one between encoding and decoding, which
+    go through vLLM's own message encoder (cloudpickle for plain functions,
+    plain pickle, i.e. by reference, for any other callable)."""
+    _by_value_releases_only()
     import contextlib
     import functools
 
     import cloudpickle
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     import eagle3_compat.testing as t
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
     def stale(*_a, **_kw):
         raise AssertionError("ran the worker's own (stale) copy of eagle3_compat.testing")
 
-    def ship(by_value):
+    def ship(arm, by_value=True):
         with t._shipped_by_value() if by_value else contextlib.nullcontext():
-            payload = (cloudpickle.dumps(functools.partial(t._ref_truncate, k=2)),
-                       cloudpickle.dumps(t._ref_restore))
+            payload = [MsgpackEncoder().encode(f) for f in (arm, t._ref_restore)]
         with monkeypatch.context() as m:
             for name in ("_ref_truncate", "_ref_restore", "_ref_base_model"):
                 m.setattr(t, name, stale)
-            return [cloudpickle.loads(p) for p in payload]
+            return [MsgpackDecoder().decode(p) for p in payload]
 
     torch.manual_seed(0)
     top, x = _Top(_Base()), torch.randn(5, 8)
     before = set(cloudpickle.list_registry_pickle_by_value())
-    arm, collect = ship(by_value=True)
+    arm, collect = ship(t._truncate_at(2))
     assert set(cloudpickle.list_registry_pickle_by_value()) == before
     with torch.no_grad():
         arm(top)
         top(x)
         (rows,) = t._ref_rows(t._ref_load(collect(top)), [[0] * 5], 2)
         assert torch.allclose(rows, _expected(top.model, x, 2), atol=1e-6)
-    # the control: by reference, the stale copy is what runs
-    arm, _ = ship(by_value=False)
-    with pytest.raises(AssertionError, match="stale"):
-        arm(top)
+    # the controls: without the by-value registration, and a functools.partial
+    # (plain pickle in vLLM's encoder), the stale copy is what runs
+    for arm, by_value in ((t._truncate_at(2), False), (functools.partial(t._ref_truncate, k=2), True)):
+        arm, _ = ship(arm, by_value)
+        with pytest.raises(AssertionError, match="stale"):
+            arm(top)
 
 
 # --- the real engine

@@ -435,10 +435,7 @@ def _shipped_by_value() -> Any:
 
     import cloudpickle  # noqa: PLC0415
 
-    from .versions import detect, minor  # noqa: PLC0415
-
-    found = detect().vllm_version
-    if found is not None and minor(found) >= BY_REFERENCE_FROM:
+    if _by_reference():
         # vLLM's engine core (seen on 0.25 and 0.32; 0.19 still ships by value)
         # unpickles the function and pickles it again
         # for its workers with plain pickle, by reference: a by-value copy is
@@ -455,6 +452,34 @@ def _shipped_by_value() -> Any:
     finally:
         if not registered:
             cloudpickle.unregister_pickle_by_value(module)
+
+
+def _by_reference() -> bool:
+    """Whether this vLLM's engine core re-pickles worker functions by
+    reference (:data:`BY_REFERENCE_FROM`)."""
+    from .versions import detect, minor  # noqa: PLC0415
+
+    found = detect().vllm_version
+    return found is not None and minor(found) >= BY_REFERENCE_FROM
+
+
+def _truncate_at(k: int) -> Any:
+    """The worker function that truncates the model after layer ``k``.
+
+    Up to 0.24 vLLM's encoder sends a plain function with cloudpickle (by
+    value for this module, :func:`_shipped_by_value`) but any other callable,
+    a ``functools.partial`` included, with plain pickle, i.e. by reference:
+    the worker would import this module from disk.  So there: a closure, a
+    plain function.  From 0.25 the engine core pickles the function again
+    with plain pickle, which cannot pickle a closure: a ``functools.partial``
+    of the module function, by reference (the worker imports this module)."""
+    if _by_reference():
+        return functools.partial(_ref_truncate, k=k)
+
+    def truncate(model: Any) -> None:
+        _ref_truncate(model, k)
+
+    return truncate
 
 
 def _ref_rows(outputs: list[tuple[bool, Any, str]], prompts: Sequence[Sequence[int]], k: int) -> list[Any]:
@@ -543,9 +568,7 @@ class VllmReference:
         params = SamplingParams(max_tokens=1, temperature=0.0)
         by_layer: dict[int, list[Any]] = {}
         for k in dict.fromkeys(ids):
-            # functools.partial, not a lambda: vLLM 0.32's apply_model pickles
-            # the function (a local lambda cannot be pickled).
-            self._apply(functools.partial(_ref_truncate, k=k))
+            self._apply(_truncate_at(k))
             try:
                 for p in prompts:
                     self.llm.generate([{"prompt_token_ids": list(p)}], params, use_tqdm=False)

@@ -58,6 +58,20 @@ WORKER_EXTENSION = f"{__name__}.CaptureWorkerExtension"
 log = get_logger("eagle3_compat.worker")
 
 
+def anon_rss() -> int:
+    """This process's resident anonymous memory in bytes (``RssAnon``): its
+    heap and tensors, not the shared arena files it maps (those are counted
+    by the arena pool).  -1 where /proc does not say."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
+
+
 def _decoder_layers(model: Any) -> tuple[Any, Any]:
     """(language model's base model, its decoder layers) of a vLLM model."""
     lm = model.get_language_model() if hasattr(model, "get_language_model") else model
@@ -634,8 +648,12 @@ class CaptureWorkerExtension:
             except (OSError, AttributeError):
                 pass
 
+        maps = getattr(self, "_e3c_maps", {})
         return {
             "rss": psutil.Process().memory_info().rss,
+            "anon": anon_rss(),
             "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             "call_open": bool(getattr(self, "_e3c_call", None) and self._e3c_call.groups),
+            "kept_maps": sorted(maps),
+            "kept_bytes": sum(len(mm) for mm in maps.values() if not mm.closed),
         }
