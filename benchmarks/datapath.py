@@ -29,10 +29,12 @@ the user's process, two ways, side by side in one run:
 The rows are made once per worker (random bf16, one [8192, 7168] tensor per
 layer, the output of one full step) before timing; each call "runs" its
 prompts as 8192-token chunked steps over them.  Timed: from the first step
-to the results in the user's process.  Memory: the proportional set size
-(PSS: shared pages split between the processes that map them) of the
-driver and vLLM's engine and worker processes, sampled every 20 ms; the
-peak above the level before the call, as a multiple of the captured bytes.
+to the results in the user's process, in runs of their own.  Memory, in
+one more run per mode (the first, which for ``arena`` also makes the
+file): the proportional set size (PSS: shared pages split between the
+processes that map them) of the driver and vLLM's engine and worker
+processes, sampled every 20 ms; the peak above the level before the call,
+as a multiple of the captured bytes.
 
     python benchmarks/datapath.py              # 1 GB and 2 GB, 3 repeats (RESULTS.md)
     python benchmarks/datapath.py --quick      # 0.1 GB, one repeat
@@ -173,11 +175,19 @@ def tree_pss() -> int:
     return total
 
 
-def measure(fn) -> tuple[float, int, Any]:
-    """(seconds, peak PSS above the start, result)."""
+def measure(fn, memory: bool = True) -> tuple[float, int, Any]:
+    """(seconds, peak PSS above the start, result).
+
+    ``memory=False``: timed alone, no sampling (peak -1).  The sampler reads
+    every process's page tables (PSS) every 20 ms, which takes a core of a
+    2-core machine while GBs are mapped: timed runs leave it out."""
     import gc
 
     gc.collect()
+    if not memory:
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, -1, out
     base = tree_pss()
     peak = [base]
     stop = threading.Event()
@@ -256,7 +266,8 @@ def main() -> int:
     modes = {m: modes[m] for m in args.modes.split(",")}
     print(f"# vLLM engine (CPU, {os.cpu_count()} cores); rows {LAYERS} x [tokens, {HIDDEN}] bfloat16 "
           f"({ROW_BYTES} B/token), prompts of {PROMPT_LEN} tokens, steps of {STEP_TOKENS}")
-    print("| GB/call | mode | s (median) | GB/s | peak extra memory / captured | kept between calls / captured | runs |")
+    print("| GB/call | mode | s (median of timed runs) | GB/s | peak extra memory / captured (sampled run) "
+          "| kept between calls / captured | runs |")
     print("|---|---|---|---|---|---|---|")
     for gb in (float(x) for x in args.sizes_gb.split(",")):
         tokens = int(gb * 1e9 / ROW_BYTES)
@@ -264,9 +275,11 @@ def main() -> int:
         captured_bytes = sum(lengths) * ROW_BYTES
         rows: dict[str, list[tuple[float, int]]] = {m: [] for m in modes}
         names = list(modes)
-        for r in range(args.repeats):
+        # run 0 of each mode: memory sampled (its time is listed, not counted);
+        # runs 1..repeats: timed alone.  For "arena", run 0 also makes the file.
+        for r in range(args.repeats + 1):
             for m in names[r % len(names):] + names[: r % len(names)]:
-                dt, extra, out = measure(modes[m](lengths))
+                dt, extra, out = measure(modes[m](lengths), memory=r == 0)
                 assert [t.shape[0] for t in out[-1]] == [lengths[-1]] * LAYERS
                 sample = out[len(out) // 2][LAYERS - 1]
                 rows[m].append((dt, extra))
@@ -275,9 +288,9 @@ def main() -> int:
         sums = {rows[m + ":check"][0] for m in modes}
         assert len(sums) == 1, f"modes disagree on the rows: {sums}"
         for m in modes:
-            t = statistics.median(x[0] for x in rows[m])
-            mem = max(x[1] for x in rows[m]) / captured_bytes
-            runs = ", ".join(f"{x[0]:.2f}s/{x[1] / captured_bytes:.2f}x" for x in rows[m])
+            t = statistics.median(x[0] for x in rows[m][1:])
+            mem = rows[m][0][1] / captured_bytes
+            runs = f"{rows[m][0][0]:.2f}s (sampled), " + ", ".join(f"{x[0]:.2f}s" for x in rows[m][1:])
             kept = pools[m].stats()["free_bytes"] / captured_bytes if m in pools else 0.0
             print(f"| {captured_bytes / 1e9:.2f} | {m} | {t:.2f} | {captured_bytes / t / 1e9:.2f} | {mem:.2f}x "
                   f"| {kept:.2f}x | {runs} |")

@@ -40,6 +40,18 @@ def _check(results, model, prompts, layers, tol):
     return compare(results, ref, prompts, layers, tol)
 
 
+def test_the_engine_runs_the_model_eagerly(gen):
+    """The capture's hooks need an eager model: the generator's engine has
+    torch.compile off (vLLM's compilation mode/level 0), on every release.
+    (The core tier's TORCHDYNAMO_DISABLE, conftest, must not be what makes
+    the hooks run.)"""
+    cc = gen.vllm_config.compilation_config
+    mode = getattr(cc, "mode", None)
+    mode = getattr(cc, "level", None) if mode is None else mode
+    assert int(mode) == 0, cc
+    assert gen.vllm_config.model_config.enforce_eager is True
+
+
 def test_many_prompts_chunked_and_reordered_match_reference(gen, llama):
     # 45 prompts (> max_num_seqs = 32), ~20k tokens (> the 8192-token step
     # budget, so prompts are chunked), duplicates and shared prefixes,

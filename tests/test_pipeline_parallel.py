@@ -157,6 +157,40 @@ def test_pipeline_parallel_argument_is_checked(tiny_models):
         VllmHiddenStatesGenerator(model, layer_ids=[1], pipeline_parallel_size=64)
     with pytest.raises(TypeError):  # keyword-only
         VllmHiddenStatesGenerator(model, [1], 128, 0.8, 1, "layer_output", 2)
+    with pytest.raises(ValueError, match=r"distributed_executor_backend must be None or one of \('mp', 'ray'\), got 'rya'"):
+        VllmHiddenStatesGenerator(model, layer_ids=[1], pipeline_parallel_size=2, distributed_executor_backend="rya")
+
+
+def test_ray_executor_skips_the_host_device_count():
+    """With vLLM's Ray executor the workers are placed on the Ray cluster's
+    nodes: 8 x 2 workers on this 2-core host are vLLM's and Ray's to refuse,
+    not ours; with the default or "mp" executor they must fit this host."""
+    from eagle3_compat.generator import _check_parallel
+
+    _check_parallel(8, 2, "ray")
+    for backend in (None, "mp"):
+        with pytest.raises(ValueError, match=r"= 16 workers but only \d+ "):
+            _check_parallel(8, 2, backend)
+
+
+@pytest.mark.extended
+def test_executor_backend_reaches_vllm(pp_llama, tiny_models, caplog):
+    """``distributed_executor_backend="ray"`` is passed to vLLM: its CPU
+    platform says it falls back to multiprocessing (the Ray executor does not
+    run on the CPU platform), and the results are those of the same engine
+    without it."""
+    pytest.importorskip("ray")  # vLLM refuses "ray" without it (installed in vllm016's env)
+    import logging
+
+    prompts = mixed_prompts(6, 500, seed=12)
+    with caplog.at_level(logging.WARNING), _pp2(
+        tiny_models("llama"), LAYERS, max_model_len=GEN_MAX_MODEL_LEN, distributed_executor_backend="ray"
+    ) as g:
+        got = g.generate(prompts)
+    assert "ray is not supported on CPU, fallback to mp" in caplog.text
+    from eagle3_compat.testing import compare
+
+    compare(got, [r["hidden_states"] for r in pp_llama.generate(prompts)], prompts, LAYERS, PP_TOL)
 
 
 @pytest.mark.extended

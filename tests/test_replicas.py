@@ -48,6 +48,16 @@ def test_replica_arguments_are_checked():
             check_replica_args(*args)
 
 
+def test_replicas_refuse_the_ray_executor_inside_them(tmp_path):
+    from eagle3_compat.dataset import run_generate
+
+    pytest.importorskip("ray")
+    with pytest.raises(ValueError, match="--replicas N with --distributed-executor-backend ray"):
+        run_generate(model="m", output=tmp_path / "o", input_path=tmp_path / "x.jsonl", replicas=2,
+                     distributed_executor_backend="ray")
+    assert not (tmp_path / "o").exists()
+
+
 # one row per case: (host's cpus, slot, replicas on the host, workers per replica) -> binding
 BINDINGS = [
     (([0, 1], 0, 2, 1), "0"),  # this machine, 2 replicas: a core each

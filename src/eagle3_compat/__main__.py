@@ -90,6 +90,7 @@ def _generate(args: argparse.Namespace) -> int:
             max_in_flight=args.max_in_flight,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
             gpu_memory_utilization=args.gpu_memory_utilization,
             dtype=args.dtype,
             capture=args.capture,
@@ -256,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="pipeline stages (vLLM's pipeline_parallel_size; tensor x pipeline workers); "
                         "each stage captures the layers it runs (default 1)")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
+                   help="vLLM's executor for the workers of one engine (default: vLLM's choice); "
+                        "'ray' places them on a Ray cluster, e.g. pipeline stages on several nodes")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     g.add_argument("--max-samples", type=int, default=None)
     g.add_argument("--seed", type=int, default=None, help="shuffle seed of speculators' preprocessing (0)")

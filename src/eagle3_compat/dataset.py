@@ -512,6 +512,7 @@ def run_generate(
     num_preprocessing_workers: int = 8,
     start_idx: int = 0,
     pipeline_parallel_size: int = 1,
+    distributed_executor_backend: str | None = None,
     num_shards: int = 1,
     shard_index: int = 0,
     replicas: int | None = None,
@@ -539,7 +540,9 @@ def run_generate(
     order).  ``batch_size`` is accepted for compatibility and unused.
     ``pipeline_parallel_size``: the generator's (a run-time setting like
     ``tensor_parallel_size``: the files are the same, so a folder may be
-    resumed with another value).
+    resumed with another value).  ``distributed_executor_backend``: the
+    generator's too (vLLM's executor of one engine; ``"ray"`` for stages on
+    several nodes).
 
     ``num_shards``/``shard_index``: only the samples ``i`` with
     ``i % num_shards == shard_index`` (see the module docstring; the shared
@@ -556,6 +559,12 @@ def run_generate(
         from .replicas import check_replica_args  # noqa: PLC0415
 
         check_replica_args(replicas, ray_address, chunk_size)  # without ray: fails now, naming the install
+        if distributed_executor_backend == "ray":
+            raise ValueError(
+                "--replicas N with --distributed-executor-backend ray: vLLM's Ray executor inside a "
+                "replica actor is not supported by eagle3_compat; use shards (--num-shards) of "
+                "multi-node engines instead"
+            )
     elif ray_address is not None or chunk_size is not None:
         raise ValueError("--ray-address and --chunk-size go with --replicas N")
     sharded = num_shards > 1
@@ -662,6 +671,8 @@ def run_generate(
         gpu_memory_utilization=gpu_memory_utilization, capture=capture,
         pipeline_parallel_size=pipeline_parallel_size,
     )
+    if distributed_executor_backend is not None:
+        gen_kwargs["distributed_executor_backend"] = distributed_executor_backend
     if replicas is None:
         engines: Any = _LocalEngine(model, gen_kwargs)
     else:

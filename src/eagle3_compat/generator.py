@@ -105,6 +105,7 @@ def generator_init(
     *,
     capture: str = "layer_output",
     pipeline_parallel_size: int = 1,
+    distributed_executor_backend: str | None = None,
 ) -> None:
     """Replacement for ``VllmHiddenStatesGenerator.__init__``.
 
@@ -121,6 +122,13 @@ def generator_init(
     ``tensor_parallel_size * N`` workers): each stage captures the requested
     layers it runs and the results are merged by layer id, the same tensors
     as with one stage.
+
+    ``distributed_executor_backend`` (keyword-only, an addition): vLLM's, passed
+    through (``None``: vLLM's default; ``"mp"``: worker processes on this
+    host; ``"ray"``: workers placed by Ray, e.g. the stages of a replica
+    larger than one node, on a Ray cluster spanning the nodes).  With
+    ``"ray"`` the workers need not fit this host's devices, so that check is
+    left to vLLM and Ray.
     """
     from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415
     from vllm import LLM  # noqa: PLC0415
@@ -138,7 +146,7 @@ def generator_init(
         model_path.startswith((".", "/", "~")) or model_path.count("/") != 1
     ):
         raise ValueError(f"model_path {model_path!r} does not exist")
-    _check_parallel(tensor_parallel_size, pipeline_parallel_size)
+    _check_parallel(tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend)
     _check_pipeline_release(pipeline_parallel_size)
     if capture not in CAPTURE_POINTS:
         raise ValueError(f"capture must be one of {CAPTURE_POINTS}, got {capture!r}")
@@ -158,15 +166,18 @@ def generator_init(
     self._e3c_max_model_len = int(max_model_len)
     log.info(
         "starting vLLM for %s: layers %s (%s), max_model_len %d, tensor_parallel_size %d, "
-        "pipeline_parallel_size %d, dtype %s",
+        "pipeline_parallel_size %d, executor %s, dtype %s",
         model_path,
         self.layer_ids,
         capture,
         max_model_len,
         tensor_parallel_size,
         pipeline_parallel_size,
+        distributed_executor_backend or "vLLM's default",
         opts.get("dtype") or "auto",
     )
+    executor = {} if distributed_executor_backend is None else {
+        "distributed_executor_backend": distributed_executor_backend}
     self.llm = LLM(
         model=model_path,
         tokenizer=model_path,
@@ -186,6 +197,7 @@ def generator_init(
         enable_prefix_caching=False,
         worker_extension_cls=WORKER_EXTENSION,
         seed=0,
+        **executor,
     )
     self._e3c_closed = False
     self.vllm_config = self.llm.llm_engine.vllm_config
@@ -204,11 +216,18 @@ def generator_init(
     log.info("capture ready: %s", infos[0] if len(infos) == 1 else infos)
 
 
-def _check_parallel(tp: Any, pp: Any = 1) -> None:
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+def _check_parallel(tp: Any, pp: Any = 1, backend: Any = None) -> None:
     for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if tp * pp == 1:
+    if backend is not None and backend not in EXECUTOR_BACKENDS:
+        raise ValueError(
+            f"distributed_executor_backend must be None or one of {EXECUTOR_BACKENDS}, got {backend!r}"
+        )
+    if tp * pp == 1 or backend == "ray":  # Ray places the workers, on any node of its cluster
         return
     import torch  # noqa: PLC0415
 
