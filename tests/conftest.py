@@ -68,6 +68,11 @@ def vllm_cannot_load(family: str) -> str | None:
 
 
 FULL = os.environ.get("E3C_SUITE", "full") == "full"
+# Tests marked "edge" (speculators' own scripts end to end, a vLLM feature
+# of one model family) run with the full suite and in the env of the newest
+# release (E3C_EDGE=1, tox: vllm032), where vLLM and transformers differ most
+# from the full-suite releases; the other core envs skip them.
+EDGE = FULL or os.environ.get("E3C_EDGE", "0") == "1"
 # The core tier (every release but the two on the full suite) turns off
 # torch.compile in its processes and their engines.  Every engine the tests
 # start runs its model eagerly anyway (the generator and the reference pass
@@ -90,6 +95,9 @@ def pytest_collection_modifyitems(config, items):
     core_only = pytest.mark.skip(
         reason="extended test: skipped with E3C_SUITE=core (tox runs the full suite in every env)"
     )
+    edge_only = pytest.mark.skip(
+        reason="edge test: runs with the full suite and in the newest release's env (E3C_EDGE=1)"
+    )
     once_elsewhere = pytest.mark.skip(reason="runs in one tox env only (E3C_ONCE=1: vllm016)")
     for item in items:
         if "once" in item.keywords and not ONCE:
@@ -98,6 +106,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_engine)
         elif "extended" in item.keywords and not FULL:
             item.add_marker(core_only)
+        elif "edge" in item.keywords and not EDGE:
+            item.add_marker(edge_only)
 
 
 _ROOT_CAUSE = ("Error:", "Error(", "Exception:", "error:", "EADDRINUSE", "Killed", "Traceback")

@@ -109,6 +109,7 @@ def count_like_speculators(samples) -> dict[int, int]:
     return dict(c)
 
 
+@pytest.mark.edge
 def test_generate_with_upstream_arguments_writes_upstream_layout(tmp_path, tiny_models):
     import torch
 

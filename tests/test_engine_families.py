@@ -66,6 +66,7 @@ def test_deepseek_v3_matches_vllm_forward(tiny_models, family, vllm_minor):
         print(f"{family}: vLLM's own batching drift {drift:.2f} nats; batched states not compared")
 
 
+@pytest.mark.edge
 def test_llama_4_scaling_reaches_the_layers(tiny_models, vllm_minor):
     """Same weights with and without llama_4_scaling must give different states
     at positions past original_max_position_embeddings (16), equal before."""

@@ -18,7 +18,7 @@ def _section() -> str:
 
 def readme_rows():
     rows = {}
-    for m in re.finditer(r"^\| (0\.\d+) \| `(vllm\d+)` \| (\w+) \| ([^|]+) \|$", _section(), re.M):
+    for m in re.finditer(r"^\| (0\.\d+) \| `(vllm\d+)` \| (\w+(?: \+ \w+)?) \| ([^|]+) \|$", _section(), re.M):
         rows[m.group(1)] = (m.group(2), {a.strip() for a in m.group(4).split(",")}, m.group(3))
     return rows
 
@@ -70,7 +70,11 @@ def test_suite_column_matches_tox():
         own = tox[f"testenv:{env}"].get("setenv", "") if tox.has_section(f"testenv:{env}") else ""
         own_default = re.search(r"^E3C_SUITE = \{env:E3C_SUITE:(\w+)\}$", own, re.M)
         want = override.group(1) if override else own_default.group(1) if own_default else default
-        assert suite == want, (minor, env, suite)
+        base, _, extra = suite.partition(" + ")
+        assert base == want, (minor, env, suite)
+        # "core + edge": the env also runs the tests marked edge (E3C_EDGE = 1 in its section)
+        assert (extra == "edge") == bool(re.search(r"^E3C_EDGE = 1$", own, re.M)), (minor, env, suite)
+        assert extra in ("", "edge"), (minor, env, suite)
 
 
 def _locked(env: str, package: str) -> str | None:
