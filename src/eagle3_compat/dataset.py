@@ -713,7 +713,9 @@ def run_generate(
                 tokens += n
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+                    # refresh=False: drawn with the next update (tqdm's mininterval),
+                    # not once per sample (1 ms a sample here, from the engine's cores)
+                    bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", refresh=False)
         if bar is not None:
             bar.close()
         data_config = engines.data_config(
