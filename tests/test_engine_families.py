@@ -18,7 +18,8 @@ def _one_by_one(gen, prompts):
     return [gen.generate([p])[0] for p in prompts]
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_l4s"])
+# The llama_4_scaling variant is an "edge" test (conftest): full suite and the newest release.
+@pytest.mark.parametrize("family", ["deepseek_v3", pytest.param("deepseek_v3_l4s", marks=pytest.mark.edge)])
 def test_deepseek_v3_matches_vllm_forward(tiny_models, family, vllm_minor):
     if family.endswith("l4s") and vllm_minor < (0, 16):
         pytest.skip("llama_4_scaling exists from vLLM 0.16")
