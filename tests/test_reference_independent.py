@@ -171,11 +171,9 @@ def test_worker_records_are_read_strictly():
 # forward, truncated) is still used there by test_matches_vllm_own_forward
 # and the DeepseekV3 tests.
 def _by_value_releases_only():
-    from eagle3_compat.testing import BY_REFERENCE_FROM
-    from eagle3_compat.versions import detect, minor
+    from eagle3_compat.testing import _by_reference
 
-    found = detect().vllm_version
-    if found is not None and minor(found) >= BY_REFERENCE_FROM:
+    if _by_reference():
         pytest.skip("vLLM 0.25+ re-pickles functions by reference in its engine core")
 
 
