@@ -217,3 +217,24 @@ def test_run_module_form(tmp_path):
     assert out["argv"][1:] == ["a", "--b"] and out["main_file"] == "probe_mod.py"
     assert json.loads(out["env"]) == {"dtype": None}
     assert out["registered"] is True and out["subprocess"] == "True" and out["spawn"] is True
+
+
+def test_max_in_flight_defaults_agree(capsys):
+    """stream(), run_generate and the CLI's help give one default, at least
+    three engine steps' worth of prompts (tested on the engine in
+    test_engine_core.test_stream_default_keeps_every_engine_step_full)."""
+    import inspect
+    import re
+
+    from eagle3_compat.__main__ import main
+    from eagle3_compat.dataset import run_generate
+    from eagle3_compat.generator import DEFAULT_MAX_IN_FLIGHT, MAX_NUM_SEQS, generator_stream
+
+    assert DEFAULT_MAX_IN_FLIGHT >= 3 * MAX_NUM_SEQS
+    assert inspect.signature(generator_stream).parameters["max_in_flight"].default == DEFAULT_MAX_IN_FLIGHT
+    assert inspect.signature(run_generate).parameters["max_in_flight"].default is None  # -> the generator's
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"--max-in-flight MAX_IN_FLIGHT prompts in the engine at once \(default (\d+):", help_text)
+    assert int(re.search(r"in the engine at once \(default (\d+):", help_text).group(1)) == DEFAULT_MAX_IN_FLIGHT

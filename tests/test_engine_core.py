@@ -353,6 +353,39 @@ def test_stream_keeps_the_engine_fed_and_matches_the_reference(gen, llama):
     assert gen.llm.collective_rpc("e3c_memory")[0]["call_open"] is False
 
 
+def test_stream_default_keeps_every_engine_step_full(gen, monkeypatch):
+    """With stream()'s default max_in_flight the engine always has a full
+    step queued behind the running one, so it runs as few steps as for the
+    whole input at once.  With two steps' worth in flight (the earlier
+    default, 64) the engine ran dry at step boundaries and its steps
+    fragmented (2000 prompts: 150-330 steps instead of 64; issue #16)."""
+    import random
+
+    from eagle3_compat.generator import DEFAULT_MAX_IN_FLIGHT, MAX_NUM_SEQS
+
+    assert DEFAULT_MAX_IN_FLIGHT >= 3 * MAX_NUM_SEQS
+    rng = random.Random(16)
+    # 200 tokens each: a full step (32 prompts, 6400 tokens) is long enough
+    # for the driver to refill the queue even on a loaded machine
+    prompts = [[rng.randrange(4, 200) for _ in range(200)] for _ in range(8 * MAX_NUM_SEQS)]
+    engine = gen.llm.llm_engine
+    steps: list[int] = []
+    step = engine.step
+
+    def counting_step():
+        outs = step()
+        done = sum(1 for o in outs if o.finished)
+        if done:
+            steps.append(done)
+        return outs
+
+    monkeypatch.setattr(engine, "step", counting_step)
+    assert sorted(k for k, _ in gen.stream(iter(prompts))) == list(range(len(prompts)))
+    # the first step may start before all first prompts have arrived
+    assert sum(steps) == len(prompts)
+    assert len(steps) <= len(prompts) // MAX_NUM_SEQS + 2, steps
+
+
 def test_stream_stopped_early_or_fed_a_bad_prompt_leaves_the_generator_sound(gen, llama):
     prompts = mixed_prompts(12, 300, seed=10)
     it = gen.stream(iter(prompts), max_in_flight=4)

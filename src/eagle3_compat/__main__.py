@@ -249,9 +249,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="maximum sequence length for preprocessing and the model (default 2048)")
     g.add_argument("--batch-size", type=int, default=None,
                    help="accepted for compatibility; unused: the job streams (see --max-in-flight)")
-    g.add_argument("--max-in-flight", type=int, default=64,
-                   help="prompts in the engine at once; a new one is admitted as soon as one finishes "
-                        "(memory is bounded by this, whatever the input's length)")
+    g.add_argument("--max-in-flight", type=int, default=None,
+                   help="prompts in the engine at once (default 128: four steps' worth, so the engine "
+                        "never waits for the next step's prompts); a new one is admitted as soon as one "
+                        "finishes (memory is bounded by this, whatever the input's length)")
     g.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="default: every accelerator (1 on a CPU)")
     g.add_argument("--pipeline-parallel-size", type=int, default=1,

@@ -497,7 +497,7 @@ def run_generate(
     tensor_parallel_size: int | None = 1,
     dtype: str | None = None,
     capture: str = "layer_output",
-    max_in_flight: int = 64,
+    max_in_flight: int | None = None,
     *,
     input_path: Path | None = None,
     train_data_path: str | None = None,
@@ -534,7 +534,8 @@ def run_generate(
     settings (model, layer ids, capture point, max_model_len, dtype, input,
     number of shards) is refused, never mixed.
 
-    The job streams: at most ``max_in_flight`` prompts are in the engine, a
+    The job streams: at most ``max_in_flight`` prompts (default
+    :data:`eagle3_compat.generator.DEFAULT_MAX_IN_FLIGHT`) are in the engine, a
     new one is admitted as soon as one finishes, and each sample is saved by
     a writer thread as its request finishes (renamed into place in index
     order).  ``batch_size`` is accepted for compatibility and unused.
@@ -550,6 +551,10 @@ def run_generate(
     ``replicas``: that many engines as Ray actors (:mod:`eagle3_compat.replicas`;
     ``ray_address`` an existing cluster, ``chunk_size`` samples per work unit).
     """
+    if max_in_flight is None:
+        from .generator import DEFAULT_MAX_IN_FLIGHT  # noqa: PLC0415
+
+        max_in_flight = DEFAULT_MAX_IN_FLIGHT
     if (input_path is None) == (train_data_path is None):
         raise ValueError("give exactly one of --train-data-path (speculators' datasets) and --input (JSONL)")
     if start_idx < 0:
@@ -682,6 +687,14 @@ def run_generate(
                               chunk_size=chunk_size)
     tokens = 0
     t0 = time.perf_counter()
+    # data_config.json names the datasets cache; finding it imports
+    # `datasets` (0.5-1.5 s), done here while the engine starts, not after
+    # the last sample.
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    finder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="e3c-cache-dir")
+    cache_dir = finder.submit(_cache_dir, hf_cache_dir)
+    finder.shutdown(wait=False)  # the thread ends with its one task
     with engines:
         if list(engines.layer_ids) != layer_ids:
             raise RuntimeError(f"internal: the generator captures {engines.layer_ids}, the plan was {layer_ids}")
@@ -719,7 +732,7 @@ def run_generate(
         if bar is not None:
             bar.close()
         data_config = engines.data_config(
-            train_data_path=source, seq_length=max_model_len, cache_dir=_cache_dir(hf_cache_dir),
+            train_data_path=source, seq_length=max_model_len, cache_dir=cache_dir.result(),
             num_samples=counts["seen"], max_samples=max_samples, seed=seed)
     data_config["reproducibility"]["command"] = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
     log.info("%d samples, %d written now", counts["owned"], counts["todo"])

@@ -46,6 +46,14 @@ log = get_logger("eagle3_compat.generator")
 # match what its users configured for.
 MAX_NUM_SEQS = 32
 MIN_MAX_BATCHED_TOKENS = 8192
+# stream()'s default: prompts in flight.  The driver takes a step's finished
+# prompts and admits their successors in one RPC, which the engine answers
+# after the step in progress, so the engine needs a full step waiting behind
+# the running one and the finished one being handed over: with 2 steps' worth
+# (64) it ran dry at each step boundary and its steps fragmented (2000
+# prompts: 150-330 steps instead of 64, 0.6x plain prefill); from 3 steps'
+# worth on, every step was full (benchmarks/RESULTS.md, issue #16).
+DEFAULT_MAX_IN_FLIGHT = 4 * MAX_NUM_SEQS
 
 def _options() -> dict[str, Any]:
     from . import _state  # noqa: PLC0415
@@ -364,7 +372,7 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
 
 
 def generator_stream(
-    self: Any, token_ids: Iterable[Any], max_in_flight: int = 2 * MAX_NUM_SEQS
+    self: Any, token_ids: Iterable[Any], max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """Extract prompts as the engine finishes them: ``(index, sample)`` pairs.
 
@@ -388,6 +396,11 @@ def generator_stream(
         raise RuntimeError("this VllmHiddenStatesGenerator is closed")
     if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
         raise ValueError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
+    if max_in_flight < 3 * MAX_NUM_SEQS and not self.__dict__.get("_e3c_noted_in_flight"):
+        self._e3c_noted_in_flight = True  # once per generator (replicas stream chunk by chunk)
+        log.info("stream(): max_in_flight=%d is below 3 steps' worth of prompts (%d): with more prompts "
+                 "than that the engine waits for new ones at step boundaries (slower, same results)",
+                 max_in_flight, 3 * MAX_NUM_SEQS)
     call = self._request_counter
     self._request_counter += 1
     engine = self.llm.llm_engine
