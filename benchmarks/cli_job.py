@@ -10,11 +10,12 @@ a prefix of the larger), in fresh processes:
 ``cli``
     ``eagle3-compat generate`` on a JSONL file of the same prompts, writing
     one file per sample (the streaming job);
-``cli-driver-threads2``, ``cli-no-pool``
+``cli-driver-threads2``, ``cli-no-pool``, ``cli-in-flight-64``
     the same with one change undone, for before/after figures in one run:
     torch's default threads in the CLI's own process
     (``EAGLE3_COMPAT_DRIVER_THREADS=2``), a new shared-memory file per
-    sample (``EAGLE3_COMPAT_ARENA_POOL_BYTES=0``).
+    sample (``EAGLE3_COMPAT_ARENA_POOL_BYTES=0``), the earlier default of
+    ``--max-in-flight`` (64, two engine steps' worth).
 
 Both times include the engine's start (the CLI cannot be timed otherwise);
 "s after start" is the time from that moment to the end (the engine's
@@ -30,6 +31,7 @@ within 10 % between the small and the large dataset.
 
     python benchmarks/cli_job.py                      # 200 and 2000 samples (RESULTS.md)
     python benchmarks/cli_job.py --samples 600 --modes prefill,cli,cli-driver-threads2,cli-no-pool
+    python benchmarks/cli_job.py --samples 2000 --modes prefill,cli,cli-in-flight-64 --repeat 3
 
 Run it inside a test environment (``.tox/vllm016/bin/python``).
 """
@@ -41,6 +43,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,11 +52,12 @@ import time
 from pathlib import Path
 
 MAX_MODEL_LEN = 1024
-# The CLI as shipped, and variants for before/after comparisons (environment overrides).
-CLI_MODES = {
-    "cli": {},
-    "cli-driver-threads2": {"EAGLE3_COMPAT_DRIVER_THREADS": "2"},  # before: torch's default here
-    "cli-no-pool": {"EAGLE3_COMPAT_ARENA_POOL_BYTES": "0"},  # before: a new file per sample
+# The CLI as shipped, and variants for before/after comparisons: (environment, extra arguments).
+CLI_MODES: dict[str, tuple[dict[str, str], list[str]]] = {
+    "cli": ({}, []),
+    "cli-driver-threads2": ({"EAGLE3_COMPAT_DRIVER_THREADS": "2"}, []),  # before: torch's default here
+    "cli-no-pool": ({"EAGLE3_COMPAT_ARENA_POOL_BYTES": "0"}, []),  # before: a new file per sample
+    "cli-in-flight-64": ({}, ["--max-in-flight", "64"]),  # before: the default was 64
 }
 
 
@@ -125,12 +129,26 @@ def run(cmd: list[str], ready, env: dict, memory: bool = True) -> dict:
             "driver_peak": root[1], "driver_base": root[0] or 0}
 
 
+def _cores(spec: str) -> list[int]:
+    """``0-3,6`` -> [0, 1, 2, 3, 6] (the syntax of VLLM_CPU_OMP_THREADS_BIND)."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", default="200,2000")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-memory", action="store_true", help="timed runs only (no run for memory)")
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs per mode (medians; all shown)")
+    ap.add_argument("--engine-cores", default=None,
+                    help="e.g. 0: vLLM's OpenMP threads on these cores (VLLM_CPU_OMP_THREADS_BIND) and the "
+                         "rest of every process on the others (taskset), in every mode; stands in for a GPU "
+                         "node, where the job's own work runs beside the engine, not on its cores")
     ap.add_argument("--modes", default="prefill,cli", help=f"prefill and any of {sorted(CLI_MODES)}")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -149,7 +167,17 @@ def main() -> int:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    print(f"# vLLM CPU engine, {os.cpu_count()} cores; tiny Llama hidden {args.hidden}, {args.layers} layers, "
+    pin: list[str] = []
+    if args.engine_cores is not None:
+        engine = set(_cores(args.engine_cores))
+        rest = sorted(set(range(os.cpu_count() or 1)) - engine)
+        if not rest:
+            raise SystemExit(f"--engine-cores {args.engine_cores} leaves no core for the rest")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.engine_cores
+        pin = ["taskset", "-c", ",".join(map(str, rest))]
+    print(f"# vLLM CPU engine, {os.cpu_count()} cores"
+          + (f" (engine on {args.engine_cores}, the rest on {pin[-1]})" if pin else "")
+          + f"; tiny Llama hidden {args.hidden}, {args.layers} layers, "
           f"bf16 (dtype auto); default layer ids; prompts median ~60 tokens")
     modes = [m for m in args.modes.split(",") if m != "prefill"]
     print("| samples | tokens | mode | tok/s | /prefill | s after start | /prefill | peak extra MiB "
@@ -162,38 +190,45 @@ def main() -> int:
         pfile.write_text(json.dumps(prompts))
         jfile = work / f"prompts-{n}.jsonl"
         jfile.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-        def both(cmd, ready, menv, out=None):
-            """A timed run, then a run for memory (each from a clean output folder)."""
-            got = []
-            for memory in (False, True):
-                if out is not None and out.exists():
-                    shutil.rmtree(out)
-                if Path(str(pfile) + ".ready").exists():
-                    Path(str(pfile) + ".ready").unlink()
-                r = run(cmd, ready, menv, memory)
-                if out is not None:
-                    written = len(list(out.glob("data_*.pt")))
-                    assert written == n, (written, n)
-                got.append(r)
-            timed, sampled = got
-            return dict(timed, **{k: sampled[k] for k in ("peak", "base", "driver_peak", "driver_base")})
-
-        pre = both([sys.executable, __file__, "--child", str(model), str(pfile)],
-                   lambda pfile=pfile: Path(str(pfile) + ".ready").exists(), env)
-        rows = [("prefill", pre)]
+        jobs = {"prefill": ([*pin, sys.executable, __file__, "--child", str(model), str(pfile)],
+                            lambda pfile=pfile: Path(str(pfile) + ".ready").exists(), env, None)}
         for mode in modes:
             out = work / f"out-{n}-{mode}"
-            menv = dict(env, **CLI_MODES[mode])
-            cli = both([sys.executable, "-m", "eagle3_compat", "generate", "--model", str(model),
-                        "--input", str(jfile), "--output", str(out), "--max-model-len", str(MAX_MODEL_LEN),
-                        "--no-trainer-checks"],
-                       lambda out=out: any(out.glob("data_*.pt")), menv, out)
-            rows.append((mode, cli))
-        for mode, r in rows:
-            tps = tokens / r["wall"]
-            print(f"| {n} | {tokens} | {mode} | {tps:.0f} | {pre['wall'] / r['wall']:.2f} | "
-                  f"{r['after_start']:.1f} | {pre['after_start'] / r['after_start']:.2f} | "
-                  f"{(r['peak'] - r['base']) / 2**20:.0f} | {(r['driver_peak'] - r['driver_base']) / 2**20:.0f} |",
+            extra_env, extra_args = CLI_MODES[mode]
+            menv = dict(env, **extra_env)
+            jobs[mode] = ([*pin, sys.executable, "-m", "eagle3_compat", "generate", "--model", str(model),
+                           "--input", str(jfile), "--output", str(out), "--max-model-len", str(MAX_MODEL_LEN),
+                           "--no-trainer-checks", *extra_args],
+                          lambda out=out: any(out.glob("data_*.pt")), menv, out)
+
+        def once(mode, memory):
+            cmd, ready, menv, out = jobs[mode]
+            if out is not None and out.exists():
+                shutil.rmtree(out)
+            Path(str(pfile) + ".ready").unlink(missing_ok=True)
+            r = run(cmd, ready, menv, memory)
+            if out is not None:
+                written = len(list(out.glob("data_*.pt")))
+                assert written == n, (written, n)
+            return r
+
+        # timed runs, the modes interleaved round by round (background load
+        # hits them alike); the median of each; memory from one more run each
+        timed = {mode: [] for mode in jobs}
+        for _ in range(args.repeat):
+            for mode in jobs:
+                timed[mode].append(once(mode, memory=False))
+        sampled = {mode: None if args.no_memory else once(mode, memory=True) for mode in jobs}
+        med = {mode: {k: statistics.median(r[k] for r in runs) for k in ("wall", "after_start")}
+               for mode, runs in timed.items()}
+        pre = med["prefill"]
+        for mode in jobs:
+            r, m = med[mode], sampled[mode]
+            spread = "" if args.repeat == 1 else " (" + ", ".join(f"{x['after_start']:.1f}" for x in timed[mode]) + ")"
+            mem = ("not measured | not measured" if m is None else
+                   f"{(m['peak'] - m['base']) / 2**20:.0f} | {(m['driver_peak'] - m['driver_base']) / 2**20:.0f}")
+            print(f"| {n} | {tokens} | {mode} | {tokens / r['wall']:.0f} | {pre['wall'] / r['wall']:.2f} | "
+                  f"{r['after_start']:.1f}{spread} | {pre['after_start'] / r['after_start']:.2f} | {mem} |",
                   flush=True)
     return 0
 

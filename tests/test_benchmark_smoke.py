@@ -35,3 +35,14 @@ def test_datapath_quick_prints_table(vllm_minor):
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 0.")]
     assert [ln.split("|")[2].strip() for ln in table] == ["before", "arena", "arena-fresh", "rpc"], proc.stdout
+
+
+def test_host_copy_prints_table():
+    """The second-hop benchmark (plain torch, CPU here) checks its copies itself."""
+    script = SCRIPT.parent / "host_copy.py"
+    proc = subprocess.run([sys.executable, str(script), "--tokens", "256", "--hidden", "64", "--repeats", "1",
+                           "--pools", "2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [ln.split("|")[1].strip() for ln in proc.stdout.splitlines() if ln.startswith("| ") and "GB/s" not in ln]
+    assert rows == ["one (torch threads 1)", "one (torch threads 4)", "segments (torch threads 1)",
+                    "pool-2 (segments over 2 threads)"], proc.stdout
