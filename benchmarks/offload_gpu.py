@@ -26,8 +26,20 @@ Modes, each over the same steps in the same process:
     :meth:`HostOffload.register` on that arena (``cudaHostRegister``) and
     :meth:`HostOffload.submit_into`: each captured tensor copied straight
     into its place on the side stream: no staging buffer, no second host
-    copy (the worker does not use it yet: it needs each row's place before
-    the copy);
+    copy (one place per step: the floor of the direct path);
+``worker-staged``, ``worker-direct``
+    the worker's two paths on steps of ``--prompt-tokens``-token prompts
+    (64 per 8192-token step), with the worker's own pieces: a
+    :class:`~eagle3_compat.capture.StepLayout` of request ids, the call's
+    :class:`~eagle3_compat.capture.StepSlicer`, the arena in ``/dev/shm``
+    (:class:`~eagle3_compat.arena.ShmSink`).  ``worker-staged``
+    (``EAGLE3_COMPAT_DIRECT=0``): rows into pinned staging, then the writer
+    thread slices the step by its positions and copies each prompt's run
+    into the arena.  ``worker-direct`` (the default): the runs planned
+    before the step (``plan_step``), each layer's rows copied straight into
+    the prompts' places (``submit_runs``, the pool file registered once);
+    the writer thread slices by the positions and checks the plan
+    (``check_plan``);
 ``copy-only``
     the captured tensors' copies into pinned staging without the step's
     compute: the link's own time for a step's bytes (the floor of any
@@ -49,6 +61,7 @@ import time
 import torch
 
 from eagle3_compat.arena import DriverArena, LocalSink, ShmSink, layout_for
+from eagle3_compat.capture import StepLayout, StepSlicer, check_plan, make_request_id
 from eagle3_compat.offload import HostOffload
 
 
@@ -63,10 +76,16 @@ def main() -> int:
     ap.add_argument("--ring", type=int, default=0,
                     help="arena of this many steps, reused in turn (0: one place per step, all fresh pages)")
     ap.add_argument("--arena-dir", default="/dev/shm")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt in the worker-* modes")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch intra-op threads (0: torch's default; vLLM's GPU workers run with 1)")
+    ap.add_argument("--modes", default=None, help="comma-separated subset of the modes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     dev = torch.device("cuda", 0)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     T, H, L = args.tokens, args.hidden, args.layers
     x0 = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
     w = torch.randn(H, H, device=dev, dtype=torch.bfloat16) / H**0.5
@@ -76,7 +95,16 @@ def main() -> int:
     ring = args.ring or args.steps
     lengths = [T] * ring
     layout = layout_for(lengths, len(capture_at), H, "bfloat16")
-    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}; step: {args.matmuls} matmuls "
+    P = args.prompt_tokens
+    if T % P:
+        raise SystemExit("--tokens must be a multiple of --prompt-tokens")
+    per_step = T // P
+    # The worker-* modes: prompt i of step s is request e3c:0:<s * per_step + i>,
+    # at place (s % ring) * per_step + i of one pool-like arena reused in turn.
+    wlayout = layout_for([P] * (ring * per_step), len(capture_at), H, "bfloat16")
+    positions = torch.arange(P, device=dev).repeat(per_step)
+    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__} ({torch.get_num_threads()} threads); "
+          f"step: {args.matmuls} matmuls "
           f"[{T}, {H}] bf16, captured {len(capture_at)} x [{T}, {H}] = {step_bytes / 1e9:.2f} GB/step; "
           f"arena {layout.total / 1e9:.1f} GB host")
 
@@ -90,6 +118,14 @@ def main() -> int:
 
     def open_sink(mode: str):
         """(sink, cleanup) for the modes that write an arena."""
+        if mode.startswith("worker-"):
+            arena = DriverArena(wlayout, directory=args.arena_dir)
+            sink = ShmSink.open(arena.spec(), wlayout, torch.bfloat16, H)
+            arena.unlink()
+            assert not isinstance(sink, str), sink
+            # a pool file the worker keeps: registered once, before the call
+            unregister = registrar.register(sink.buf) if mode == "worker-direct" else (lambda: None)
+            return sink, lambda: (unregister(), sink.close(), arena.discard())
         if mode == "offload":
             return LocalSink(layout, torch.bfloat16, H), lambda: None
         if mode in ("offload-shm", "offload-direct"):
@@ -105,7 +141,64 @@ def main() -> int:
             return sink, lambda: (sink.close(), arena.discard())
         return None, lambda: None
 
+    def run_worker(mode: str) -> float:
+        """The worker's staged or direct path over ``args.steps`` steps."""
+        sink, cleanup = open_sink(mode)
+        off = HostOffload(dev)
+        slicer = StepSlicer(call=0, lengths={})
+        direct = mode == "worker-direct"
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for s in range(args.steps):
+            ids = [s * per_step + i for i in range(per_step)]
+            place = {g: (s % ring) * per_step + i for i, g in enumerate(ids)}
+            for g in ids:
+                slicer.lengths[g] = P  # type: ignore[index]  # e3c_add
+            layout = StepLayout(tuple(make_request_id(0, g) for g in ids), (P,) * per_step)
+            planned = slicer.plan_step(layout)  # the model's forward pre-hook
+            pos = off.submit("positions", positions)
+            layers = []
+            x = x0
+            for k in range(args.matmuls):
+                x = x @ w
+                if k in capture_at:  # the layer hook
+                    j = capture_at.index(k)
+                    if direct:
+                        layers.append(off.submit_runs([
+                            (sink.view(place[seg.index], j)[seg.start : seg.start + seg.count],
+                             x[seg.src : seg.src + seg.count]) for seg in planned]))
+                    else:
+                        layers.append(off.submit(j, x))
+
+            def process(layers=layers, pos=pos, layout=layout, planned=planned, ids=ids, place=place):
+                rows = [st.wait() for st in layers]
+                segs = slicer.slice_step(layout, pos.wait().tolist(), None, [T] * len(layers))
+                check_plan(slicer.steps - 1, planned, segs)
+                if not direct:
+                    for seg in segs:
+                        for j, r in enumerate(rows):
+                            sink.write(place[seg.index], j, seg.start, seg.count, r[seg.src : seg.src + seg.count])
+                for st in (*layers, pos):
+                    st.release()
+                for g in ids:
+                    slicer.forget(g)  # e3c_take
+
+            off.run(process)
+        off.drain()
+        off.close()
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        last = ((args.steps - 1) % ring) * per_step
+        for j in range(len(capture_at)):
+            got = torch.cat([sink.view(last + i, j) for i in range(per_step)])
+            if not torch.equal(got, expected[j]):
+                raise SystemExit(f"{mode}: arena rows of layer slot {j} differ from the device's")
+        cleanup()
+        return elapsed / args.steps
+
     def run(mode: str) -> float:
+        if mode.startswith("worker-"):
+            return run_worker(mode)
         sink, cleanup = open_sink(mode)
         off = HostOffload(dev) if mode.startswith("offload") or mode == "copy-only" else None
         torch.cuda.synchronize()
@@ -146,7 +239,12 @@ def main() -> int:
         return elapsed / args.steps
 
     modes = ["none", "sync-pageable", "offload-stage-only", "offload", "offload-shm",
-             "offload-direct", "copy-only"]
+             "offload-direct", "worker-staged", "worker-direct", "copy-only"]
+    if args.modes:
+        unknown = set(args.modes.split(",")) - set(modes)
+        if unknown:
+            raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {modes}")
+        modes = ["none"] + [m for m in modes if m in args.modes.split(",") and m != "none"]
     for m in modes:  # warm-up: allocator, pinned pools, cuBLAS
         run(m)
     results: dict[str, list[float]] = {m: [] for m in modes}
@@ -160,7 +258,9 @@ def main() -> int:
         t = statistics.median(results[m])
         gbs = "" if m == "none" else f"{step_bytes / t / 1e9:.1f}"
         print(f"| {m} | {t * 1e3:.2f} | {t / base - 1:+.1%} | {gbs} |")
-    print(f"cudaHostRegister of the arena: {statistics.median(register_s):.3f} s/GB (median of {len(register_s)})")
+    if register_s:
+        print(f"cudaHostRegister of the arena: {statistics.median(register_s):.3f} s/GB "
+              f"(median of {len(register_s)})")
     registrar.close()
     return 0
 

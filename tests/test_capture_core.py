@@ -100,21 +100,43 @@ def rows_for(val, pos, layer_ids):
     return [torch.stack([vals, poss, torch.full_like(vals, L)], 1) for L in layer_ids]
 
 
-def run_steps(steps, lengths, layer_ids, call, core=None, arena=None):
+def run_steps(steps, lengths, layer_ids, call, core=None, arena=None, direct=False):
     """The worker's side: slice every step and write its runs to an arena; the
-    driver's side: check the metadata as it arrives over the wire, then view."""
+    driver's side: check the metadata as it arrives over the wire, then view.
+
+    ``direct``: as the worker's direct path does, plan each step's runs
+    before its rows are read, copy the rows there (``HostOffload.submit_runs``),
+    then check the plan against the runs the positions give."""
+    from eagle3_compat.offload import HostOffload
+
     core = core or capture
     arena = arena or arena_mod
     layout = arena.layout_for(lengths, len(layer_ids), HIDDEN, "float32")
     sink = arena.LocalSink(layout, torch.float32, HIDDEN)
     slicer = core.StepSlicer(call=call, lengths=lengths)
+    offload = HostOffload("cpu")
     for req_ids, counts, pos, tok, val in steps:
+        step_layout = core.StepLayout(tuple(req_ids), tuple(counts))
         layers = rows_for(val, pos, layer_ids)
-        segs = slicer.slice_step(core.StepLayout(tuple(req_ids), tuple(counts)), pos, tok,
-                                 [h.shape[0] for h in layers])
+        planned, copied = None, set()
+        if direct:
+            try:
+                planned = slicer.plan_step(step_layout)
+            except CaptureError:
+                planned = None  # the staged path reports it
+            for j, h in enumerate(layers):
+                if planned is not None and h.shape[0] >= step_layout.total:
+                    offload.submit_runs([(sink.view(seg.index, j)[seg.start: seg.start + seg.count],
+                                          h[seg.src: seg.src + seg.count]) for seg in planned])
+                    copied.add(j)
+        segs = slicer.slice_step(step_layout, pos, tok,
+                                 [step_layout.total if j in copied else h.shape[0] for j, h in enumerate(layers)])
+        if planned is not None:
+            core.check_plan(slicer.steps - 1, planned, segs)
         for seg in segs:
             for j, h in enumerate(layers):
-                sink.write(seg.index, j, seg.start, seg.count, h[seg.src: seg.src + seg.count])
+                if j not in copied:
+                    sink.write(seg.index, j, seg.start, seg.count, h[seg.src: seg.src + seg.count])
     prompts = [[token(i, p) for p in range(n)] for i, n in enumerate(lengths)]
     core.check_segments(prompts, [s.to_wire() for s in slicer.segments], layer_ids)
     return arena.tensors_from_payload(sink.payload(), layout, "float32", HIDDEN)
@@ -125,10 +147,10 @@ def expected(i, n, layer_id):
     return torch.stack([torch.full_like(pos, i), pos, torch.full_like(pos, layer_id)], 1)
 
 
-def check_reassembly(sc, core=None, arena=None):
+def check_reassembly(sc, core=None, arena=None, direct=False):
     lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call = sc
     steps = schedule(lengths, budget, max_seqs, pad, decode_rows, foreign, seed, call)
-    out = run_steps(steps, lengths, layer_ids, call, core=core, arena=arena)
+    out = run_steps(steps, lengths, layer_ids, call, core=core, arena=arena, direct=direct)
     assert len(out) == len(lengths)
     for i, per_layer in enumerate(out):
         assert len(per_layer) == len(layer_ids)
@@ -140,6 +162,13 @@ def check_reassembly(sc, core=None, arena=None):
 @given(scenarios())
 def test_reassembly_is_exact(sc):
     check_reassembly(sc)
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_reassembly_is_exact_with_rows_copied_to_their_planned_places(sc):
+    """The worker's direct path: runs planned before the step, rows copied there."""
+    check_reassembly(sc, direct=True)
 
 
 # -- one fault at a time ---------------------------------------------------------
@@ -249,7 +278,12 @@ def faulty(draw):
     return sc, draw(st.sampled_from(sorted(FAULTS, key=lambda f: f.__name__))), draw(st.integers(0, 2**16))
 
 
-def check_fault(case, core=None, arena=None):
+# On the direct path the rows are placed before the positions are read; a
+# fault that moves rows is then refused by the plan's check, if not before.
+PLAN_MISMATCH = r"|put them elsewhere"
+
+
+def check_fault(case, core=None, arena=None, direct=False):
     (lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call), fault, fseed = case
     steps = schedule(lengths, budget, max_seqs, pad, decode_rows, foreign, seed, call)
     steps = [tuple(list(x) for x in s) for s in steps]
@@ -257,8 +291,8 @@ def check_fault(case, core=None, arena=None):
         fault(steps, call, random.Random(fseed))
     except (IndexError, ValueError):  # no step offers what the fault needs (rare)
         return False
-    with pytest.raises(CaptureError, match=FAULTS[fault]):
-        run_steps(steps, lengths, layer_ids, call, core=core, arena=arena)
+    with pytest.raises(CaptureError, match=FAULTS[fault] + (PLAN_MISMATCH if direct else "")):
+        run_steps(steps, lengths, layer_ids, call, core=core, arena=arena, direct=direct)
     return True
 
 
@@ -268,10 +302,67 @@ def test_every_single_fault_is_refused_by_name(case):
     check_fault(case)
 
 
+@settings(max_examples=300, deadline=None)
+@given(faulty())
+def test_every_single_fault_is_refused_on_the_direct_path(case):
+    check_fault(case, direct=True)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])
 @pytest.mark.parametrize("fault", sorted(FAULTS, key=lambda f: f.__name__), ids=lambda f: f.__name__)
-def test_each_fault_is_refused(fault):
+def test_each_fault_is_refused(fault, direct):
     """Every fault on one fixed schedule (two prompts, chunked, reordered)."""
-    assert check_fault((([37, 20], [1, 4], 16, 2, 3, True, True, 7, 2), fault, 1))
+    assert check_fault((([37, 20], [1, 4], 16, 2, 3, True, True, 7, 2), fault, 1), direct=direct)
+
+
+def direct_examples(core=capture, arena=arena_mod):
+    """The direct path on fixed cases; also run against every mutant."""
+    # chunked, reordered, padded, decode rows and another call's rows: exact
+    check_reassembly(([37, 20, 5], [1, 4], 16, 2, 3, True, True, 7, 2), core=core, arena=arena, direct=True)
+    # Two chunks of one prompt handed over in the wrong order: by their
+    # positions the staged path still puts every row in its place; the direct
+    # path has already copied them where the plan said (each chunk after the
+    # last), so only the plan's check stands between it and swapped rows.
+    sc = ([40], [1, 4], 16, 1, 0, False, False, 3, 0)
+    lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call = sc
+    steps = schedule(lengths, budget, max_seqs, pad, decode_rows, foreign, seed, call)
+    steps[0], steps[1] = steps[1], steps[0]
+    out = run_steps(steps, lengths, layer_ids, call, core=core, arena=arena)
+    assert all(torch.equal(t, expected(0, 40, layer_ids[j])) for j, t in enumerate(out[0]))
+    with pytest.raises(CaptureError, match="put them elsewhere"):
+        run_steps(steps, lengths, layer_ids, call, core=core, arena=arena, direct=True)
+
+
+def test_a_plan_the_positions_contradict_is_refused_not_written_silently():
+    direct_examples()
+
+
+def test_plan_is_all_or_nothing_and_forgets_collected_prompts():
+    mk = make_request_id
+    s = StepSlicer(call=0, lengths={0: 5, 1: 3})
+    plan = s.plan_step(StepLayout((mk(0, 1), "other", mk(0, 0)), (2, 4, 3)))
+    assert [(g.index, g.src, g.start, g.count) for g in plan] == [(1, 0, 0, 2), (0, 6, 0, 3)]
+    # the next chunk of each continues where its last ended; rows past the end are not attributed
+    plan = s.plan_step(StepLayout((mk(0, 0), mk(0, 1)), (2, 3)))
+    assert [(g.index, g.src, g.start, g.count) for g in plan] == [(0, 0, 3, 2), (1, 2, 2, 1)]
+    with pytest.raises(CaptureError, match="names prompt 7"):
+        s.plan_step(StepLayout((mk(0, 0), mk(0, 7)), (1, 1)))
+    assert s.planned == {0: 5, 1: 3}  # unchanged by the refused plan
+    s.forget(1)
+    assert s.planned == {0: 5} and 1 not in s.lengths
+    with pytest.raises(CaptureError, match="names prompt 1"):
+        s.plan_step(StepLayout((mk(0, 1),), (1,)))
+
+
+def test_check_plan_names_the_misplaced_run():
+    from eagle3_compat.capture import Segment, check_plan
+
+    a = Segment(index=0, src=0, start=0, count=4, token_ids=None)
+    check_plan(3, [a], [Segment(index=0, src=0, start=0, count=4, token_ids=(1, 2, 3, 4))])
+    with pytest.raises(CaptureError, match=r"step 3: .*\(0, 0, 0, 4\), \(0, 0, 2, 4\)"):
+        check_plan(3, [a], [Segment(index=0, src=0, start=2, count=4, token_ids=None)])
+    with pytest.raises(CaptureError, match="put them elsewhere"):
+        check_plan(0, [a], [])
 
 
 # -- pieces ------------------------------------------------------------------------

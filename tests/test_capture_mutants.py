@@ -24,20 +24,33 @@ from eagle3_compat import arena, capture
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.once  # ~1 min of pure logic: the same on every vLLM release
 from test_arena import arena_examples  # noqa: E402
-from test_capture_core import check_fault, check_reassembly, core_examples, faulty, scenarios  # noqa: E402
+from test_capture_core import (  # noqa: E402
+    check_fault,
+    check_reassembly,
+    core_examples,
+    direct_examples,
+    faulty,
+    scenarios,
+)
 
 # name: (module, old text, new text)
 MUTANTS = {
     # -- worker side: attribution of a step's rows ------------------------------
     "positions-not-checked-consecutive": (
         capture, "if first < 0 or pos[:hi] != list(range(first, first + hi)):", "if first < 0:"),
-    "unknown-prompt-index-not-checked": (capture, "                if plen is None:\n", "                if False:\n"),
+    "unknown-prompt-index-not-checked": (capture, "        if plen is None:\n", "        if False:\n"),
     "layer-row-count-not-checked": (capture, "if rows < total:", "if False:"),
     "position-count-not-checked": (capture, "if len(positions) < total:", "if False:"),
     "token-count-not-checked": (capture, "if token_ids is not None and len(token_ids) < total:", "if False:"),
     "duplicate-request-id-allowed": (capture, "if len(set(self.req_ids)) != len(self.req_ids):", "if False:"),
     "rows-past-prompt-kept": (capture, "while hi and pos[hi - 1] >= plen:", "while False:"),
     "other-calls-rows-kept": (capture, "if parsed is None or parsed[0] != self.call:", "if parsed is None:"),
+    # -- worker side: the direct path's plan ------------------------------------------
+    "plan-not-checked": (capture, "    if want != got:\n", "    if False:\n"),
+    "plan-restarts-every-chunk": (capture, "first = tally.get(index, self.planned.get(index, 0))", "first = 0"),
+    "plan-keeps-rows-past-prompt": (capture, "count = min(n, plen - first)", "count = n"),
+    "plan-row-offset-off-by-one": (capture, "out.append(Segment(index=index, src=src, start=first",
+                                   "out.append(Segment(index=index, src=src + 1, start=first"),
     "run-offset-off-by-one": (capture, "                            src=start,\n",
                               "                            src=start + 1,\n"),
     "first-layout-reused": (capture, "        total = layout.total\n",
@@ -126,6 +139,7 @@ def test_every_check_has_a_mutant():
 def test_real_modules_pass_every_check():
     core_examples(capture, arena)
     arena_examples(capture, arena)
+    direct_examples(capture, arena)
     check_reassembly(([3, 5], [0, 2], 4, 2, 2, True, True, 0, 1))
 
 
@@ -136,6 +150,7 @@ def test_mutant_is_caught(name, tmp_path):
     def examples():
         core_examples(core, arena_mutant)
         arena_examples(core, arena_mutant, tmp_path)
+        direct_examples(core, arena_mutant)
 
     # no shrinking: finding any counterexample is the point, not the smallest
     quick = settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck),

@@ -194,6 +194,54 @@ def test_results_are_the_arena_and_rpc_path_is_identical(gen, monkeypatch):
         gen.generate(prompts[:1])
 
 
+def test_rows_go_straight_into_the_arena_and_the_staged_path_agrees(gen, llama, monkeypatch):
+    """The worker copies each step's rows to their places in the arena while
+    the step runs (runs planned before the model, checked against its
+    positions after): every step of a chunked call and of a stream takes
+    that path, the results match the reference, and the staged path
+    (EAGLE3_COMPAT_DIRECT=0: copies after the step) gives the same rows."""
+    import torch
+
+    import eagle3_compat.generator as driver
+
+    replies: list[dict] = []
+    rpc = driver._rpc
+
+    def spy(self, method, *args):
+        out = rpc(self, method, *args)
+        if method == "e3c_take":
+            replies.append(out[0])
+        elif method == "e3c_exchange":
+            replies.extend(t for r in out if r for t in r["taken"])
+        return out
+
+    monkeypatch.setattr(driver, "_rpc", spy)
+    # 30 prompts of up to 1000 tokens, ~10k: more than one 8192-token step,
+    # so a prompt is chunked across steps
+    prompts = mixed_prompts(30, 1000, seed=21)
+    assert sum(map(len, prompts)) > 8192
+    direct = gen.generate(prompts)
+    (reply,) = replies
+    assert reply["steps"] >= 2 and reply["direct_steps"] == reply["steps"], reply
+    _check(direct, llama, prompts, LAYERS, F32_TOL)
+    replies.clear()
+    streamed = dict(gen.stream(iter(prompts[:5]), max_in_flight=2))
+    assert replies and all(r["direct_steps"] == r["steps"] > 0 for r in replies), replies
+    assert all(torch.equal(a, b) or torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+               for i in streamed for a, b in zip(streamed[i]["hidden_states"], direct[i]["hidden_states"]))
+    replies.clear()
+    monkeypatch.setenv("EAGLE3_COMPAT_DIRECT", "0")
+    staged = gen.generate(prompts)
+    assert replies[0]["direct_steps"] == 0 and replies[0]["steps"] == reply["steps"]
+    for a, b in zip(direct, staged):
+        for x, y in zip(a["hidden_states"], b["hidden_states"]):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.allclose(x, y, rtol=1e-5, atol=1e-5), float((x - y).abs().max())
+    monkeypatch.setenv("EAGLE3_COMPAT_DIRECT", "yes")
+    with pytest.raises(ValueError, match="EAGLE3_COMPAT_DIRECT"):
+        gen.generate(prompts[:1])
+
+
 def test_reference_checks_have_teeth(gen, llama):
     """compare() must fail on a shifted row, swapped results and a wrong layer."""
     from eagle3_compat.testing import compare, hf_layer_outputs

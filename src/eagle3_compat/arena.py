@@ -111,6 +111,16 @@ class ArenaLayout:
         return cached
 
 
+def direct_choice() -> bool:
+    """``EAGLE3_COMPAT_DIRECT`` (1, the default: rows are copied into the
+    arena during the step where the worker can; 0: through staging buffers
+    after the step, the earlier path, for before/after figures), checked."""
+    value = os.environ.get("EAGLE3_COMPAT_DIRECT", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"EAGLE3_COMPAT_DIRECT must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def transport_choice() -> str:
     """``EAGLE3_COMPAT_TRANSPORT`` (auto, shm or rpc), checked."""
     value = os.environ.get("EAGLE3_COMPAT_TRANSPORT", "auto").strip().lower() or "auto"
@@ -514,6 +524,9 @@ class ShmSink(_Sink):
         self._mm: mmap.mmap | None = mm
         self._owned = owned  # False: the worker's cache of pool files keeps the mapping
         self.buf = torch.frombuffer(mm, dtype=torch.uint8)
+        # The pool file's key when the worker's cache keeps the mapping (it
+        # outlives this call: worth page-locking once for direct copies).
+        self.kept_key: str | None = None
 
     @classmethod
     def open(
@@ -549,7 +562,9 @@ class ShmSink(_Sink):
         if mm is not None:
             if mm[:NONCE_BYTES] != bytes.fromhex(spec["nonce"]) or len(mm) != capacity:
                 return f"the mapping kept for arena {key} is not the driver's file (nonce differs)"
-            return cls(layout, dtype, hidden, mm, owned=False)
+            sink = cls(layout, dtype, hidden, mm, owned=False)
+            sink.kept_key = key
+            return sink
         if spec.get("path") is None:
             return f"arena {key} has no name left and is not mapped in this worker"
         try:
@@ -567,7 +582,9 @@ class ShmSink(_Sink):
         keep = cache is not None and key is not None and bool(spec.get("keep"))
         if keep:
             cache[key] = mm  # type: ignore[index]
-        return cls(layout, dtype, hidden, mm, owned=not keep)
+        sink = cls(layout, dtype, hidden, mm, owned=not keep)
+        sink.kept_key = key if keep else None
+        return sink
 
     def close(self) -> None:
         self.buf = None

@@ -36,6 +36,7 @@ __all__ = [
     "Segment",
     "StepLayout",
     "StepSlicer",
+    "check_plan",
     "check_segments",
     "check_stage_layers",
     "make_request_id",
@@ -136,6 +137,49 @@ class StepSlicer:
     segments: list[Segment] = field(default_factory=list)
     foreign_rows: int = 0
     steps: int = 0
+    # prompt index -> the position its next planned run starts at (plan_step)
+    planned: dict[int, int] = field(default_factory=dict)
+
+    def plan_step(self, layout: StepLayout) -> list[Segment]:
+        """Where this step's rows will go, before the model runs them.
+
+        The worker copies each run of rows to its place in the call's arena
+        while the step runs (the rows go straight from the device into shared
+        memory, with no staging copy), so it needs the places before the
+        positions of the step can be read.  Each prompt's runs are expected
+        in order from position 0: a request's ``n`` rows continue where the
+        prompt's previous planned run ended, and rows past the prompt's end
+        are not attributed (as in :meth:`slice_step`).  After the step,
+        :meth:`slice_step` works the runs out from the positions the model
+        saw and :func:`check_plan` must find the same runs, or the call
+        fails: a wrong plan is an error, never shifted rows.
+
+        Returns segments without token ids.  The plan is all or nothing: a
+        :class:`CaptureError` (a request naming a prompt the call has not
+        sent) leaves the tally as it was.
+        """
+        out: list[Segment] = []
+        tally: dict[int, int] = {}
+        src = 0
+        for req_id, n in zip(layout.req_ids, layout.num_tokens):
+            parsed = parse_request_id(req_id)
+            if n and parsed is not None and parsed[0] == self.call:
+                index = parsed[1]
+                plen = self._known_length(index, req_id)
+                first = tally.get(index, self.planned.get(index, 0))
+                count = min(n, plen - first)
+                if count > 0:
+                    out.append(Segment(index=index, src=src, start=first, count=count, token_ids=None))
+                    tally[index] = first + count
+            src += n
+        self.planned.update(tally)
+        return out
+
+    def forget(self, index: int) -> None:
+        """Stop expecting prompt ``index`` (collected by the driver)."""
+        if isinstance(self.lengths, dict):
+            self.lengths.pop(index, None)
+        self.planned.pop(index, None)
 
     def slice_step(
         self,
@@ -177,12 +221,7 @@ class StepSlicer:
                 self.foreign_rows += n
             elif n:
                 index = parsed[1]
-                plen = self._length(index)
-                if plen is None:
-                    raise CaptureError(
-                        f"step {self.steps}: request {req_id!r} names prompt {index}, which call "
-                        f"{self.call} has not sent (or has already collected)"
-                    )
+                plen = self._known_length(index, req_id)
                 pos = [int(p) for p in positions[start:end]]
                 # Keep the prefix of the run that lies inside the prompt.
                 hi = len(pos)
@@ -213,10 +252,37 @@ class StepSlicer:
         return out
 
 
+    def _known_length(self, index: int, req_id: str) -> int:
+        plen = self._length(index)
+        if plen is None:
+            raise CaptureError(
+                f"step {self.steps}: request {req_id!r} names prompt {index}, which call "
+                f"{self.call} has not sent (or has already collected)"
+            )
+        return plen
+
     def _length(self, index: int) -> int | None:
         if isinstance(self.lengths, Mapping):
             return self.lengths.get(index)
         return self.lengths[index] if 0 <= index < len(self.lengths) else None
+
+
+def check_plan(step: int, planned: Sequence[Segment], actual: Sequence[Segment]) -> None:
+    """The runs the worker copied rows to during step ``step``
+    (:meth:`StepSlicer.plan_step`) must be the runs the model's positions
+    give (:meth:`StepSlicer.slice_step`): same prompts, same rows of the step,
+    same positions.  Otherwise rows sit at the wrong place in the arena and
+    :class:`CaptureError` says which."""
+    want = [(s.index, s.src, s.start, s.count) for s in actual]
+    got = [(s.index, s.src, s.start, s.count) for s in planned]
+    if want != got:
+        diff = [(g, w) for g, w in zip(got, want) if g != w] or [(got[len(want):], want[len(got):])]
+        raise CaptureError(
+            f"step {step}: rows were copied to the places planned before the step, but the positions "
+            f"the model saw put them elsewhere (planned (prompt, row, position, count) vs actual: "
+            f"{diff[:3]}); a request did not continue where its previous rows ended "
+            "(prefix caching, preemption?)"
+        )
 
 
 def rank0_reply(reply: Any) -> Any:

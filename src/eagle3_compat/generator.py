@@ -27,7 +27,15 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from .arena import ArenaPool, DriverArena, layout_for, pool_keep_bytes, tensors_from_payload, transport_choice
+from .arena import (
+    ArenaPool,
+    DriverArena,
+    direct_choice,
+    layout_for,
+    pool_keep_bytes,
+    tensors_from_payload,
+    transport_choice,
+)
 from .capture import (
     CaptureError,
     check_segments,
@@ -337,7 +345,7 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
     layout = _layout(self, prompts)
     arena = None
     try:
-        _rpc(self, "e3c_arm", call)
+        _rpc(self, "e3c_arm", call, direct_choice())
         arena = _add_group(self, call, 0, list(enumerate(map(len, prompts))), layout)
         for rid, ids in zip(req_ids, prompts):
             engine.add_request(rid, {"prompt_token_ids": ids}, params)
@@ -411,7 +419,7 @@ def generator_stream(
     finished: list[int] = []  # out of the engine, rows not taken yet
     exhausted = False
     try:
-        _rpc(self, "e3c_arm", call)
+        _rpc(self, "e3c_arm", call, direct_choice())
         while True:
             # Refill every slot that is free once the finished prompts are
             # taken.  Taking them and adding their successors is one RPC: the

@@ -119,21 +119,23 @@ class HostOffload:
             # max_num_batched_tokens, so this settles after the first steps.
             buf = holder[0] = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
         dst = buf[:nbytes].view(tensor.dtype).view(tensor.shape)
-        return Staged(dst, self._copy_on_side_stream(dst, tensor), lambda: pool.free.put(holder))
+        return Staged(dst, self._copy_on_side_stream([(dst, tensor)]), lambda: pool.free.put(holder))
 
-    def _copy_on_side_stream(self, dst: Tensor, tensor: Tensor) -> Any:
-        """Start ``dst.copy_(tensor)`` after the compute stream's work; its end event."""
+    def _copy_on_side_stream(self, pairs: list[tuple[Tensor, Tensor]]) -> Any:
+        """Start ``dst.copy_(src)`` for each pair after the compute stream's work; the end event."""
         import torch  # noqa: PLC0415
 
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            dst.copy_(tensor, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        # The caching allocator must not hand the source's memory to another
+        # The caching allocator must not hand the sources' memory to another
         # tensor before the side stream has read it.
-        tensor.record_stream(stream)
+        for _dst, src in pairs:
+            src.record_stream(stream)
         return event
 
     # -- straight into registered host memory ------------------------------------
@@ -169,20 +171,35 @@ class HostOffload:
 
     def submit_into(self, dst: Tensor, tensor: Tensor) -> Staged:
         """Copy ``tensor`` into ``dst`` (host memory given to :meth:`register`,
-        same shape and dtype); the returned :class:`Staged` waits for the copy.
+        same shape and dtype); the returned :class:`Staged` waits for the copy
+        and gives ``dst``."""
+        return Staged(dst, self.submit_runs([(dst, tensor)])._event)
 
-        Shapes and dtypes are checked: ``copy_`` would broadcast a row or
-        convert a dtype without a word.
+    def submit_runs(self, pairs: list[tuple[Tensor, Tensor]]) -> Staged:
+        """Copy each ``(dst, rows)`` pair: ``rows`` (on the device) into ``dst``
+        (host memory, on CUDA given to :meth:`register`, e.g. a run's place in
+        the call's arena); one :class:`Staged` waits for them all (its tensor
+        is ``None``: the rows are where they were sent).
+
+        This is the worker's direct path: no staging buffer and no second
+        host copy, so a step's rows cost the link's time only.  Shapes and
+        dtypes are checked first (``copy_`` would broadcast a row or convert
+        a dtype without a word); nothing is copied if one pair is wrong.
+
+        Raises:
+            ValueError: a destination's shape or dtype differs from its rows'.
         """
-        if tuple(dst.shape) != tuple(tensor.shape) or dst.dtype != tensor.dtype:
-            raise ValueError(
-                f"submit_into: destination {dst.dtype} {tuple(dst.shape)} does not match "
-                f"the rows {tensor.dtype} {tuple(tensor.shape)}"
-            )
+        for dst, tensor in pairs:
+            if tuple(dst.shape) != tuple(tensor.shape) or dst.dtype != tensor.dtype:
+                raise ValueError(
+                    f"submit_runs: destination {dst.dtype} {tuple(dst.shape)} does not match "
+                    f"the rows {tensor.dtype} {tuple(tensor.shape)}"
+                )
         if not self.cuda:
-            dst.copy_(tensor)
-            return Staged(dst)
-        return Staged(dst, self._copy_on_side_stream(dst, tensor))
+            for dst, tensor in pairs:
+                dst.copy_(tensor)
+            return Staged(None)
+        return Staged(None, self._copy_on_side_stream(pairs) if pairs else None)
 
     # -- the work that uses the rows ---------------------------------------------
     def run(self, fn: Callable[[], None]) -> None:

@@ -46,10 +46,10 @@ import os
 from typing import Any
 
 from .arena import LocalSink, ShmSink, forget_all, layout_for
-from .capture import CaptureError, StepLayout, StepSlicer
+from .capture import CaptureError, Segment, StepLayout, StepSlicer, check_plan
 from .logs import attach_to_vllm_logging, get_logger
 from .offload import HostOffload, Staged
-from .runners import UnknownRunnerError, runner_kind, runner_layout, runner_token_ids
+from .runners import RUNNER_V1, UnknownRunnerError, runner_kind, runner_layout, runner_token_ids
 
 __all__ = ["CaptureWorkerExtension", "WORKER_EXTENSION"]
 
@@ -170,12 +170,26 @@ def _layer_output(out: Any) -> tuple[Any, bool]:
 
 
 class _Step:
-    """What the hooks collect during one ``execute_model`` call."""
+    """What the hooks collect during one ``execute_model`` call.
 
-    __slots__ = ("total", "layers", "positions", "token_ids")
+    ``planned``: the runs of rows the call expects from this step, worked
+    out before the model ran (:meth:`_Call.plan`); ``targets``: where each
+    run goes (its group's sink and the prompt's place there) when the
+    layers' rows are copied there directly during the step; ``direct``:
+    the layer slots whose rows were.
+    """
 
-    def __init__(self, total: int) -> None:
+    __slots__ = ("total", "call", "scheduled", "layout", "planned", "targets", "direct",
+                 "layers", "positions", "token_ids")
+
+    def __init__(self, total: int, call: _Call | None = None, scheduled: Any = None) -> None:
         self.total = total
+        self.call = call
+        self.scheduled = scheduled  # SchedulerOutput.num_scheduled_tokens
+        self.layout: StepLayout | None = None
+        self.planned: list[Segment] | None = None
+        self.targets: list[tuple[Any, int, Segment]] | None = None
+        self.direct: set[int] = set()
         self.layers: dict[int, Staged] = {}
         self.positions: Staged | None = None
         self.token_ids: Staged | None = None
@@ -190,10 +204,11 @@ class _Group:
     """Prompts of a call that share one arena (all of a ``generate()`` call, or
     one prompt of a stream); collected together by ``e3c_take``."""
 
-    def __init__(self, prompts: list[list[int]], sink: Any, transport: str) -> None:
+    def __init__(self, prompts: list[list[int]], sink: Any, transport: str, direct: bool = False) -> None:
         self.local = {int(index): i for i, (index, _n) in enumerate(prompts)}
         self.sink = sink
         self.transport = transport
+        self.direct = direct  # rows may be copied into the sink during the step
         self.segments: list[Any] = []
 
     def close(self) -> None:
@@ -211,11 +226,14 @@ class _Call:
         self.owner: dict[int, _Group] = {}  # prompt index -> its group
         self.error: str | None = None
         self.debug = debug
+        self.direct_steps = 0  # steps whose rows went straight into the arena
 
-    def add(self, group_id: int, prompts: list[list[int]], sink: Any, transport: str) -> None:
+    def add(
+        self, group_id: int, prompts: list[list[int]], sink: Any, transport: str, direct: bool = False
+    ) -> None:
         if group_id in self.groups:
             raise CaptureError(f"group {group_id} of call {self.slicer.call} was already added")
-        group = _Group(prompts, sink, transport)
+        group = _Group(prompts, sink, transport, direct)
         for index, n in prompts:
             if index in self.owner:
                 raise CaptureError(f"prompt {index} of call {self.slicer.call} was already added")
@@ -228,8 +246,27 @@ class _Call:
         for index in group.local:
             # Rows of a collected prompt that still arrived would be an error.
             del self.owner[index]
-            del self.slicer.lengths[index]  # type: ignore[attr-defined]
+            self.slicer.forget(index)
         return group
+
+    def plan(self, step: _Step, layout: StepLayout) -> None:
+        """Before the model runs the step: the runs its rows will form
+        (``step.planned``, checked against the model's positions after the
+        step) and, when every run's group takes direct copies, where each
+        goes (``step.targets``).  A request the call does not know leaves the
+        step unplanned: it takes the staged path, whose attribution reports
+        the error."""
+        if self.error is not None:
+            return
+        try:
+            planned = self.slicer.plan_step(layout)
+        except CaptureError:
+            return
+        step.layout = layout
+        step.planned = planned
+        groups = [self.owner[seg.index] for seg in planned]
+        if all(g.direct for g in groups):
+            step.targets = [(g.sink, g.local[seg.index], seg) for g, seg in zip(groups, planned)]
 
     def process(self, step: _Step, layout: StepLayout, slots: list[int]) -> None:
         """Attribute one step's rows and write them to their arenas (after their copy ended).
@@ -244,23 +281,29 @@ class _Call:
             if positions.dim() == 2:  # M-RoPE: [3, tokens]
                 positions = positions[0]
             token_ids = None if step.token_ids is None else step.token_ids.wait().tolist()
-            rows = [step.layers[s].wait() for s in slots]
-            segments = self.slicer.slice_step(
-                layout, positions.tolist(), token_ids, [r.shape[0] for r in rows]
-            )
+            # Direct slots: their rows are in the arena once the copies ended (wait()).
+            rows = {s: step.layers[s].wait() for s in slots}
+            counts = [step.total if s in step.direct else rows[s].shape[0] for s in slots]
+            segments = self.slicer.slice_step(layout, positions.tolist(), token_ids, counts)
+            if step.planned is not None:
+                check_plan(self.slicer.steps - 1, step.planned, segments)
+            self.direct_steps += bool(step.direct)
             for seg in segments:
                 group = self.owner[seg.index]
                 group.segments.append(seg)
                 local = group.local[seg.index]
-                for slot, r in zip(slots, rows):
-                    group.sink.write(local, slot, seg.start, seg.count, r[seg.src : seg.src + seg.count])
+                for slot in slots:
+                    if slot not in step.direct:
+                        r = rows[slot]
+                        group.sink.write(local, slot, seg.start, seg.count, r[seg.src : seg.src + seg.count])
             if self.debug:
                 log.warning(
-                    "step %d: %d rows, requests %s, layers %s",
+                    "step %d: %d rows, requests %s, rows per layer slot %s, copied directly %s",
                     self.slicer.steps,
                     step.total,
                     list(zip(layout.req_ids, layout.num_tokens)),
-                    [tuple(t.shape) for t in rows],
+                    counts,
+                    sorted(step.direct),
                 )
         except CaptureError as exc:
             self.error = str(exc)
@@ -322,8 +365,16 @@ class CaptureWorkerExtension:
         self._e3c_offload = HostOffload(param.device) if self._e3c_capturing else None
         self._e3c_dtype = str(param.dtype).removeprefix("torch.")
         self._e3c_hidden = int(runner.model_config.get_hidden_size())
+        # Direct copies (rows straight into the arena during the step) need
+        # the step's layout before the model runs: the V1 runner has its
+        # batch in place by then; the V2 runner builds its step state at the
+        # end of execute_model, so it takes the staged path.
+        # (The driver can turn it off per call: EAGLE3_COMPAT_DIRECT=0.)
+        self._e3c_direct = self._e3c_runner_kind == RUNNER_V1
+        self._e3c_pinned: dict[str, Any] = {}  # kept pool file key -> its unregister()
         handles = []
         offload = self._e3c_offload
+        dtype = param.dtype
 
         def keep(slot: int, h: Any, owned: bool) -> None:
             step = self._e3c_step
@@ -333,6 +384,19 @@ class CaptureWorkerExtension:
                 # vLLM's Transformers backend (Olmo2 from vLLM 0.29) runs Hugging
                 # Face's decoder layers on a batch of one: [1, tokens, hidden].
                 h = h[0]
+            targets = step.targets
+            if (targets is not None and h.dim() == 2 and h.shape[0] >= step.total
+                    and h.shape[1] == self._e3c_hidden and h.dtype == dtype):
+                try:
+                    step.layers[slot] = offload.submit_runs([
+                        (sink.view(local, slot)[seg.start : seg.start + seg.count],
+                         h[seg.src : seg.src + seg.count].detach())
+                        for sink, local, seg in targets
+                    ])
+                    step.direct.add(slot)
+                    return
+                except ValueError:  # a run that does not fit: the staged path reports it
+                    pass
             # Scheduled rows only (padding never leaves the device).
             step.layers[slot] = offload.submit(slot, h[: step.total].detach(), owned)
 
@@ -366,6 +430,14 @@ class CaptureWorkerExtension:
                 step.positions = offload.submit("positions", positions[..., : step.total])
             if input_ids is not None:
                 step.token_ids = offload.submit("token_ids", input_ids[: step.total])
+            if self._e3c_direct and step.layout is None and step.call is not None:
+                # The batch is laid out by now (the runner prepared its inputs).
+                try:
+                    layout = runner_layout(runner, self._e3c_runner_kind, step.scheduled)
+                except UnknownRunnerError:
+                    return  # the staged path; _e3c_record reports it
+                if layout.total == step.total:
+                    step.call.plan(step, layout)
 
         if self._e3c_capturing:
             for slot in self._e3c_slots:
@@ -392,7 +464,7 @@ class CaptureWorkerExtension:
             # Step-local state: a fetch() that races with an in-flight step
             # (async scheduling) detaches the call; this step's rows then go
             # to the detached call, never into the next one.
-            step = _Step(total)
+            step = _Step(total, call, scheduler_output.num_scheduled_tokens)
             self._e3c_step = step
             try:
                 result = wrapped(*args, **kwargs)
@@ -457,6 +529,13 @@ class CaptureWorkerExtension:
                     f"step layout covers {layout.total} tokens but {step.total} were scheduled; "
                     "cannot attribute rows"
                 )
+            if step.layout is not None and step.layout != layout:
+                raise CaptureError(
+                    "the runner's batch changed during the step (before the model ran: "
+                    f"{list(zip(step.layout.req_ids, step.layout.num_tokens))}, after: "
+                    f"{list(zip(layout.req_ids, layout.num_tokens))}); rows copied during the step "
+                    "would be misplaced"
+                )
         except (CaptureError, UnknownRunnerError) as exc:
             step.release()
             call.error = call.error or str(exc)
@@ -468,8 +547,11 @@ class CaptureWorkerExtension:
     # driver's arena for it), the engine steps, e3c_take for each group once
     # its requests have finished.  generate() adds all its prompts as one
     # group; a stream adds and takes one prompt at a time.
-    def e3c_arm(self, call: int) -> None:
-        """Start call ``call`` (forgetting any earlier one)."""
+    def e3c_arm(self, call: int, direct: bool = True) -> None:
+        """Start call ``call`` (forgetting any earlier one).
+
+        ``direct``: copy rows into the call's arena during the step where this
+        worker can (:meth:`_e3c_pin`); ``False``: the staged path only."""
         if not getattr(self, "_e3c_active", False):
             raise RuntimeError(
                 "eagle3_compat: capture is not set up in this worker (e3c_teardown was called, "
@@ -478,6 +560,7 @@ class CaptureWorkerExtension:
         self.e3c_disarm()
         if self._e3c_capturing:
             self._e3c_call = _Call(call, self._e3c_debug)
+            self._e3c_call_direct = bool(direct) and self._e3c_direct
 
     def e3c_add(
         self, call: int, group: int, prompts: list[list[int]], arena: dict[str, Any] | None
@@ -498,6 +581,9 @@ class CaptureWorkerExtension:
         import torch  # noqa: PLC0415
 
         dtype = getattr(torch, self._e3c_dtype)
+        if arena is not None:
+            for key in arena.get("forget", ()):
+                self._e3c_unpin(key)  # before the mapping goes (ShmSink.open unmaps it)
         layout = layout_for(
             [n for _i, n in prompts], len(self._e3c_layer_ids), self._e3c_hidden, self._e3c_dtype
         )
@@ -516,12 +602,42 @@ class CaptureWorkerExtension:
         transport = "shm" if sink is not None else "rpc"
         if sink is None:
             sink = LocalSink(layout, dtype, self._e3c_hidden)
+        direct = getattr(self, "_e3c_call_direct", False) and self._e3c_pin(sink)
         try:
-            state.add(group, prompts, sink, transport)
+            state.add(group, prompts, sink, transport, direct)
         except CaptureError:
             sink.close()
             raise
-        return {"transport": transport, "why": why, "stage": self._e3c_stage}
+        return {"transport": transport, "why": why, "stage": self._e3c_stage, "direct": direct}
+
+    def _e3c_pin(self, sink: Any) -> bool:
+        """Whether rows may be copied into ``sink`` during the step.
+
+        On the CPU platform always (plain copies).  On CUDA a device-to-host
+        copy runs at the link's speed, asynchronously, only into page-locked
+        memory: a pool file the worker keeps mapped is registered with CUDA
+        once (``cudaHostRegister``, ~0.1-0.25 s/GB, paid once per file, not per
+        call) and stays registered until the driver forgets the file or the
+        worker tears down.  Any other sink takes the staged path.
+        """
+        offload = self._e3c_offload
+        if offload is None or not offload.cuda:
+            return True
+        key = getattr(sink, "kept_key", None)
+        if key is None:
+            return False
+        if key not in self._e3c_pinned:
+            try:
+                self._e3c_pinned[key] = offload.register(sink.buf)
+            except RuntimeError as exc:
+                log.warning("direct copies off for arena %s (staged instead): %s", key, exc)
+                return False
+        return True
+
+    def _e3c_unpin(self, key: str) -> None:
+        unregister = self._e3c_pinned.pop(key, None)
+        if unregister is not None:
+            unregister()
 
     def e3c_exchange(self, call: int, take: list[int], add: list[list[Any]]) -> Any:
         """A stream's round in one RPC: :meth:`e3c_take` for each group in
@@ -556,6 +672,7 @@ class CaptureWorkerExtension:
                 "segments": [[g.local[s.index], s.start, s.count,
                               None if s.token_ids is None else list(s.token_ids)] for s in g.segments],
                 "steps": state.slicer.steps,
+                "direct_steps": state.direct_steps,
                 "foreign_rows": state.slicer.foreign_rows,
                 "error": state.error,
                 # False: some rows' token ids could not be read (a model fed
@@ -587,6 +704,8 @@ class CaptureWorkerExtension:
         :meth:`e3c_arm` raise.  Idempotent."""
         self._e3c_active = False
         self.e3c_disarm()
+        for key in list(getattr(self, "_e3c_pinned", {})):
+            self._e3c_unpin(key)
         forget_all(getattr(self, "_e3c_maps", {}))
         for h in getattr(self, "_e3c_handles", ()):
             h.remove()
