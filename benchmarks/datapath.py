@@ -18,6 +18,11 @@ the user's process, two ways, side by side in one run:
     offload, writes at each row's place), the real ``e3c_take`` (metadata
     only), and the driver's real ``collect_results`` (checks, one mapping
     per prompt, finiteness);
+``arena-staged``
+    the same with the worker's staged path (``EAGLE3_COMPAT_DIRECT=0``):
+    each step's rows attributed and written after the step, the library's
+    path before its direct copies (on the CPU the rows are not copied
+    twice either way; the difference is where the write happens);
 ``arena-fresh``
     the same with a new file for every call (``EAGLE3_COMPAT_ARENA_POOL_BYTES=0``:
     the library's path before its pool; ``arena`` reuses the file of the
@@ -92,26 +97,28 @@ class BenchExtension(CaptureWorkerExtension):
             todo = [t for t in todo if t[1] < t[2]]
             yield req, cnt, pos, [1] * len(pos)
 
-    def bench_arena(self, call: int, lengths: list[int], spec: Any) -> Any:
+    def bench_arena(self, call: int, lengths: list[int], spec: Any, direct: bool = True) -> Any:
         import torch
 
         from eagle3_compat.capture import StepLayout
         from eagle3_compat.worker import _Step
 
         self._bench_call = call
-        self.e3c_arm(call)
+        self.e3c_arm(call, direct)
         armed = self.e3c_add(call, 0, [[i, n] for i, n in enumerate(lengths)], spec)
         state = self._e3c_call
         for req, cnt, pos, tok in self._bench_steps(lengths):
             n = len(pos)
-            step = _Step(n)
+            step = _Step(n, state)
+            layout = StepLayout(tuple(req), tuple(cnt))
             off = self._e3c_offload
             step.positions = off.submit("positions", torch.tensor(pos), owned=True)
             step.token_ids = off.submit("token_ids", torch.tensor(tok), owned=True)
+            state.plan(step, layout)  # the model's forward pre-hook (direct copies)
             for s, rows in enumerate(self._bench_rows):
                 # the hook's rows: hidden + residual, a tensor the capture made
-                step.layers[s] = off.submit(s, rows[:n], owned=True)
-            off.run(lambda step=step, layout=StepLayout(tuple(req), tuple(cnt)): state.process(step, layout, list(range(LAYERS))))
+                step.capture(off, s, rows, True, HIDDEN, rows.dtype)
+            off.run(lambda step=step, layout=layout: state.process(step, layout, list(range(LAYERS))))
         reply = self.e3c_take(call, 0)
         reply["armed"] = armed
         return reply
@@ -213,8 +220,8 @@ def main() -> int:
     ap.add_argument("--sizes-gb", default="1,2")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--modes", default="before,arena,arena-fresh,rpc",
-                    help="comma-separated subset of before,arena,arena-fresh,rpc")
+    ap.add_argument("--modes", default="before,arena,arena-staged,arena-fresh,rpc",
+                    help="comma-separated subset of before,arena,arena-staged,arena-fresh,rpc")
     args = ap.parse_args()
     if args.quick:
         args.sizes_gb, args.repeats = "0.1", 1
@@ -238,13 +245,13 @@ def main() -> int:
 
     pools = {"arena": ArenaPool(), "arena-fresh": ArenaPool(keep_bytes=0)}
 
-    def arena_mode(lengths, force_rpc=False, pool="arena"):
+    def arena_mode(lengths, force_rpc=False, pool="arena", direct=True):
         def run():
             layout = layout_for(lengths, LAYERS, HIDDEN, "bfloat16")
             arena = None if force_rpc else pools[pool].lease(layout)
             spec = None if arena is None else arena.spec()
             captured = merge_stage_captures(
-                stage_replies(llm.collective_rpc("bench_arena", args=(call[0], lengths, spec))), list(range(LAYERS)))
+                stage_replies(llm.collective_rpc("bench_arena", args=(call[0], lengths, spec, direct))), list(range(LAYERS)))
             if arena is not None:
                 arena.unlink()
             prompts = [[1] * n for n in lengths]
@@ -261,6 +268,7 @@ def main() -> int:
         return run
 
     modes = {"before": before_mode, "arena": arena_mode,
+             "arena-staged": lambda ls: arena_mode(ls, direct=False),
              "arena-fresh": lambda ls: arena_mode(ls, pool="arena-fresh"),
              "rpc": lambda ls: arena_mode(ls, True)}
     modes = {m: modes[m] for m in args.modes.split(",")}

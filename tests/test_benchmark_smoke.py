@@ -34,7 +34,7 @@ def test_datapath_quick_prints_table(vllm_minor):
     proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 0.")]
-    assert [ln.split("|")[2].strip() for ln in table] == ["before", "arena", "arena-fresh", "rpc"], proc.stdout
+    assert [ln.split("|")[2].strip() for ln in table] == ["before", "arena", "arena-staged", "arena-fresh", "rpc"], proc.stdout
 
 
 def test_host_copy_prints_table():

@@ -18,6 +18,15 @@ pool holds ``depth`` buffers per capture slot: when the writer falls
 behind, :meth:`HostOffload.submit` waits for a free buffer, so host memory
 stays bounded instead of growing with the call.
 
+That staging costs a second copy on the host, which at real widths is
+slower than the link (one thread, as in vLLM's GPU workers: ~5 GB/s
+against the link's 55).  The worker's direct path avoids it: where each
+run of rows goes is known before the step (:meth:`StepSlicer.plan_step
+<eagle3_compat.capture.StepSlicer.plan_step>`), the arena file is
+page-locked once (:meth:`HostOffload.register`), and
+:meth:`HostOffload.submit_runs` copies each run from the device straight
+to its place, one event for the lot.
+
 On the CPU platform the rows already are in host memory: a tensor that the
 capture made itself (``hidden + residual``) is used as is, anything else is
 copied once (a later in-place op of the model could change it), and the
@@ -133,9 +142,14 @@ class HostOffload:
             event = torch.cuda.Event()
             event.record(stream)
         # The caching allocator must not hand the sources' memory to another
-        # tensor before the side stream has read it.
+        # tensor before the side stream has read it (once per block: the runs
+        # of a step are views of one layer's rows).
+        seen: set[int] = set()
         for _dst, src in pairs:
-            src.record_stream(stream)
+            base = src if src._base is None else src._base
+            if id(base) not in seen:
+                seen.add(id(base))
+                base.record_stream(stream)
         return event
 
     # -- straight into registered host memory ------------------------------------

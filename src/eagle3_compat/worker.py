@@ -24,10 +24,21 @@ itself for layers that return one.  That is speculators 0.3.0's contract
 (the state before the final norm; Hugging Face ``hidden_states[k + 1]``
 except for the last layer, where HF applies the final norm).
 Rows leave the device at every step (only the scheduled rows; padding is
-never copied) through :mod:`eagle3_compat.offload` (pinned buffers and a
-side stream on CUDA), and go straight to their place in the call's arena
-(:mod:`eagle3_compat.arena`: shared memory with the driver), so neither
-device nor worker memory grows with the call and nothing is serialised.
+never copied) through :mod:`eagle3_compat.offload` and go to their place
+in the call's arena (:mod:`eagle3_compat.arena`: shared memory with the
+driver), so neither device nor worker memory grows with the call and
+nothing is serialised.  Two paths:
+
+direct (V1 runner)
+    the model's forward pre-hook reads the step's layout (the runner has
+    laid its batch out by then) and plans the runs (:meth:`_Call.plan`);
+    each layer hook copies its rows run by run to their places
+    (:meth:`_Step.capture`; on CUDA a side stream into the page-locked
+    pool file); after the step the writer attributes the rows from the
+    positions the model saw and checks them against the plan.
+staged (V2 runner, files not kept, ``EAGLE3_COMPAT_DIRECT=0``)
+    each layer's rows go to a staging buffer (pinned on CUDA) and the
+    writer copies each run into the arena after attributing it.
 
 Pipeline parallelism
 --------------------
@@ -193,6 +204,25 @@ class _Step:
         self.layers: dict[int, Staged] = {}
         self.positions: Staged | None = None
         self.token_ids: Staged | None = None
+
+    def capture(self, offload: HostOffload, slot: int, h: Any, owned: bool, hidden: int, dtype: Any) -> None:
+        """Send layer slot ``slot``'s rows ``h`` of this step on their way: each
+        planned run straight to its place (``targets``), or else the scheduled
+        rows (padding never leaves the device) to staging, for
+        :meth:`_Call.process` to attribute and write."""
+        targets = self.targets
+        if (targets is not None and h.dim() == 2 and h.shape[0] >= self.total
+                and h.shape[1] == hidden and h.dtype == dtype):
+            try:
+                self.layers[slot] = offload.submit_runs([
+                    (sink.view(local, slot)[seg.start : seg.start + seg.count], h[seg.src : seg.src + seg.count])
+                    for sink, local, seg in targets
+                ])
+                self.direct.add(slot)
+                return
+            except ValueError:  # a run that does not fit: the staged path reports it
+                pass
+        self.layers[slot] = offload.submit(slot, h[: self.total], owned)
 
     def release(self) -> None:
         for staged in (*self.layers.values(), self.positions, self.token_ids):
@@ -384,21 +414,7 @@ class CaptureWorkerExtension:
                 # vLLM's Transformers backend (Olmo2 from vLLM 0.29) runs Hugging
                 # Face's decoder layers on a batch of one: [1, tokens, hidden].
                 h = h[0]
-            targets = step.targets
-            if (targets is not None and h.dim() == 2 and h.shape[0] >= step.total
-                    and h.shape[1] == self._e3c_hidden and h.dtype == dtype):
-                try:
-                    step.layers[slot] = offload.submit_runs([
-                        (sink.view(local, slot)[seg.start : seg.start + seg.count],
-                         h[seg.src : seg.src + seg.count].detach())
-                        for sink, local, seg in targets
-                    ])
-                    step.direct.add(slot)
-                    return
-                except ValueError:  # a run that does not fit: the staged path reports it
-                    pass
-            # Scheduled rows only (padding never leaves the device).
-            step.layers[slot] = offload.submit(slot, h[: step.total].detach(), owned)
+            step.capture(offload, slot, h.detach(), owned, self._e3c_hidden, dtype)
 
         def layer_hook(slot: int):
             def hook(_module, _args, out):
