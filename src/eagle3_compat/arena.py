@@ -516,17 +516,17 @@ class ShmSink(_Sink):
     """The driver's arena file, mapped in the rank-0 worker."""
 
     def __init__(
-        self, layout: ArenaLayout, dtype: Any, hidden: int, mm: mmap.mmap, owned: bool = True
+        self, layout: ArenaLayout, dtype: Any, hidden: int, mm: mmap.mmap, kept_key: str | None = None
     ) -> None:
         import torch  # noqa: PLC0415
 
         super().__init__(layout, dtype, hidden)
         self._mm: mmap.mmap | None = mm
-        self._owned = owned  # False: the worker's cache of pool files keeps the mapping
         self.buf = torch.frombuffer(mm, dtype=torch.uint8)
         # The pool file's key when the worker's cache keeps the mapping (it
-        # outlives this call: worth page-locking once for direct copies).
-        self.kept_key: str | None = None
+        # outlives this call, is not closed with the sink, and is worth
+        # page-locking once for direct copies); None: this sink owns it.
+        self.kept_key = kept_key
 
     @classmethod
     def open(
@@ -562,9 +562,7 @@ class ShmSink(_Sink):
         if mm is not None:
             if mm[:NONCE_BYTES] != bytes.fromhex(spec["nonce"]) or len(mm) != capacity:
                 return f"the mapping kept for arena {key} is not the driver's file (nonce differs)"
-            sink = cls(layout, dtype, hidden, mm, owned=False)
-            sink.kept_key = key
-            return sink
+            return cls(layout, dtype, hidden, mm, kept_key=key)
         if spec.get("path") is None:
             return f"arena {key} has no name left and is not mapped in this worker"
         try:
@@ -582,14 +580,12 @@ class ShmSink(_Sink):
         keep = cache is not None and key is not None and bool(spec.get("keep"))
         if keep:
             cache[key] = mm  # type: ignore[index]
-        sink = cls(layout, dtype, hidden, mm, owned=not keep)
-        sink.kept_key = key if keep else None
-        return sink
+        return cls(layout, dtype, hidden, mm, kept_key=key if keep else None)
 
     def close(self) -> None:
         self.buf = None
         mm, self._mm = self._mm, None
-        if mm is not None and self._owned:
+        if mm is not None and self.kept_key is None:
             mm.close()
 
 
