@@ -227,17 +227,22 @@ def test_rows_go_straight_into_the_arena_and_the_staged_path_agrees(gen, llama, 
     replies.clear()
     streamed = dict(gen.stream(iter(prompts[:5]), max_in_flight=2))
     assert replies and all(r["direct_steps"] == r["steps"] > 0 for r in replies), replies
-    assert all(torch.equal(a, b) or torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    # another batching of the same prompts rounds differently (float32
+    # matmuls over other row counts): equal within the reference tolerance,
+    # where a shifted or swapped row differs by O(1)
+    assert all(torch.allclose(a, b, rtol=F32_TOL, atol=F32_TOL)
                for i in streamed for a, b in zip(streamed[i]["hidden_states"], direct[i]["hidden_states"]))
     replies.clear()
     monkeypatch.setenv("EAGLE3_COMPAT_DIRECT", "0")
     staged = gen.generate(prompts)
     # (the engine may split the same prompts into other steps on another call)
     assert replies[0]["direct_steps"] == 0 and replies[0]["steps"] >= 2, replies[0]
+    _check(staged, llama, prompts, LAYERS, F32_TOL)
+    # (vLLM 0.17 batched them otherwise: 1.5e-5 apart in float32)
     for a, b in zip(direct, staged):
         for x, y in zip(a["hidden_states"], b["hidden_states"]):
             assert x.dtype == y.dtype and x.shape == y.shape
-            assert torch.allclose(x, y, rtol=1e-5, atol=1e-5), float((x - y).abs().max())
+            assert torch.allclose(x, y, rtol=F32_TOL, atol=F32_TOL), float((x - y).abs().max())
     monkeypatch.setenv("EAGLE3_COMPAT_DIRECT", "yes")
     with pytest.raises(ValueError, match="EAGLE3_COMPAT_DIRECT"):
         gen.generate(prompts[:1])
