@@ -49,7 +49,10 @@ Prints a table: ms per step (median over steps, every mode's wall time
 including the final drain / synchronize divided by the steps), overhead
 against ``none``, and GB/s moved.
 
-    PYTHONPATH=src python benchmarks/offload_gpu.py [--tokens 8192] [--hidden 7168]
+    PYTHONPATH=src python benchmarks/offload_gpu.py [--tokens 8192] [--hidden 7168] [--shards 8]
+
+``--shards N``: the worker-* modes copy tensor-parallel rank 0's share of
+N ranks (each rank of a TP-N engine copies its own share over its own link).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ import time
 import torch
 
 from eagle3_compat.arena import DriverArena, LocalSink, ShmSink, layout_for
-from eagle3_compat.capture import StepLayout, StepSlicer, check_plan, make_request_id
+from eagle3_compat.capture import StepLayout, StepSlicer, check_plan, clip_run, make_request_id, shard_rows
 from eagle3_compat.offload import HostOffload
 
 
@@ -77,6 +80,9 @@ def main() -> int:
                     help="arena of this many steps, reused in turn (0: one place per step, all fresh pages)")
     ap.add_argument("--arena-dir", default="/dev/shm")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt in the worker-* modes")
+    ap.add_argument("--shards", type=int, default=1,
+                    help="worker-* modes: copy the share of tensor-parallel rank 0 of this many ranks "
+                         "(capture.shard_rows), as each rank does when the ranks share the copies")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads (0: torch's default; vLLM's GPU workers run with 1)")
     ap.add_argument("--modes", default=None, help="comma-separated subset of the modes")
@@ -147,6 +153,7 @@ def main() -> int:
         off = HostOffload(dev)
         slicer = StepSlicer(call=0, lengths={})
         direct = mode == "worker-direct"
+        lo, hi = shard_rows(T, 0, args.shards)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for s in range(args.steps):
@@ -164,11 +171,12 @@ def main() -> int:
                 if k in capture_at:  # the layer hook
                     j = capture_at.index(k)
                     if direct:
+                        parts = [(seg.index, clip_run(seg, lo, hi)) for seg in planned]
                         layers.append(off.submit_runs([
-                            (sink.view(place[seg.index], j)[seg.start : seg.start + seg.count],
-                             x[seg.src : seg.src + seg.count]) for seg in planned]))
+                            (sink.view(place[g], j)[part[1] : part[1] + part[2]], x[part[0] : part[0] + part[2]])
+                            for g, part in parts if part is not None]))
                     else:
-                        layers.append(off.submit(j, x))
+                        layers.append(off.submit(j, x[lo:hi]))
 
             def process(layers=layers, pos=pos, layout=layout, planned=planned, ids=ids, place=place):
                 rows = [st.wait() for st in layers]
@@ -176,8 +184,12 @@ def main() -> int:
                 check_plan(slicer.steps - 1, planned, segs)
                 if not direct:
                     for seg in segs:
+                        part = clip_run(seg, lo, hi)
+                        if part is None:
+                            continue
+                        src, start, count = part
                         for j, r in enumerate(rows):
-                            sink.write(place[seg.index], j, seg.start, seg.count, r[seg.src : seg.src + seg.count])
+                            sink.write(place[seg.index], j, start, count, r[src - lo : src - lo + count])
                 for st in (*layers, pos):
                     st.release()
                 for g in ids:
@@ -191,7 +203,7 @@ def main() -> int:
         last = ((args.steps - 1) % ring) * per_step
         for j in range(len(capture_at)):
             got = torch.cat([sink.view(last + i, j) for i in range(per_step)])
-            if not torch.equal(got, expected[j]):
+            if not torch.equal(got[lo:hi], expected[j][lo:hi]):
                 raise SystemExit(f"{mode}: arena rows of layer slot {j} differ from the device's")
         cleanup()
         return elapsed / args.steps

@@ -100,45 +100,74 @@ def rows_for(val, pos, layer_ids):
     return [torch.stack([vals, poss, torch.full_like(vals, L)], 1) for L in layer_ids]
 
 
-def run_steps(steps, lengths, layer_ids, call, core=None, arena=None, direct=False):
+def run_steps(steps, lengths, layer_ids, call, core=None, arena=None, direct=False, shards=1):
     """The worker's side: slice every step and write its runs to an arena; the
     driver's side: check the metadata as it arrives over the wire, then view.
 
     ``direct``: as the worker's direct path does, plan each step's runs
     before its rows are read, copy the rows there (``HostOffload.submit_runs``),
-    then check the plan against the runs the positions give."""
+    then check the plan against the runs the positions give.
+    ``shards``: as tensor-parallel ranks sharing the copies do, each rank
+    (its own slicer) attributes every step and writes only its share of the
+    step's rows (``shard_rows``/``clip_run``; staged: from a tensor holding
+    just those rows); the replies go through ``stage_replies``, whose
+    ``fold_shards`` checks the shares."""
     from eagle3_compat.offload import HostOffload
 
     core = core or capture
     arena = arena or arena_mod
     layout = arena.layout_for(lengths, len(layer_ids), HIDDEN, "float32")
     sink = arena.LocalSink(layout, torch.float32, HIDDEN)
-    slicer = core.StepSlicer(call=call, lengths=lengths)
+    slicers = [core.StepSlicer(call=call, lengths=lengths) for _ in range(shards)]
+    written = [0] * shards
     offload = HostOffload("cpu")
     for req_ids, counts, pos, tok, val in steps:
         step_layout = core.StepLayout(tuple(req_ids), tuple(counts))
         layers = rows_for(val, pos, layer_ids)
-        planned, copied = None, set()
-        if direct:
-            try:
-                planned = slicer.plan_step(step_layout)
-            except CaptureError:
-                planned = None  # the staged path reports it
-            for j, h in enumerate(layers):
-                if planned is not None and h.shape[0] >= step_layout.total:
-                    offload.submit_runs([(sink.view(seg.index, j)[seg.start: seg.start + seg.count],
-                                          h[seg.src: seg.src + seg.count]) for seg in planned])
-                    copied.add(j)
-        segs = slicer.slice_step(step_layout, pos, tok,
-                                 [step_layout.total if j in copied else h.shape[0] for j, h in enumerate(layers)])
-        if planned is not None:
-            core.check_plan(slicer.steps - 1, planned, segs)
-        for seg in segs:
-            for j, h in enumerate(layers):
-                if j not in copied:
-                    sink.write(seg.index, j, seg.start, seg.count, h[seg.src: seg.src + seg.count])
+        for rank, slicer in enumerate(slicers):
+            lo, hi = core.shard_rows(step_layout.total, rank, shards)
+            planned, copied = None, set()
+            if direct:
+                try:
+                    planned = slicer.plan_step(step_layout)
+                except CaptureError:
+                    planned = None  # the staged path reports it
+                for j, h in enumerate(layers):
+                    if planned is not None and h.shape[0] >= step_layout.total:
+                        pairs = []
+                        for seg in planned:
+                            part = core.clip_run(seg, lo, hi)
+                            if part is not None:
+                                src, start, count = part
+                                pairs.append((sink.view(seg.index, j)[start: start + count], h[src: src + count]))
+                        offload.submit_runs(pairs)
+                        copied.add(j)
+            segs = slicer.slice_step(step_layout, pos, tok if rank == 0 else None,
+                                     [h.shape[0] for h in layers])
+            if planned is not None:
+                core.check_plan(slicer.steps - 1, planned, segs)
+            staged = [h[lo:hi] for h in layers]  # what a rank's staging holds
+            for seg in segs:
+                part = core.clip_run(seg, lo, hi)
+                if part is None:
+                    continue
+                src, start, count = part
+                for j, h in enumerate(staged):
+                    if j not in copied:
+                        sink.write(seg.index, j, start, count, h[src - lo: src - lo + count])
+                written[rank] += count * len(layers)
+    replies = [{"stage": 0, "slots": list(range(len(layer_ids))), "transport": "rpc",
+                "segments": [s.to_wire() for s in slicers[0].segments], "steps": slicers[0].steps,
+                "foreign_rows": slicers[0].foreign_rows, "error": None, "dtype": "float32",
+                "hidden_size": HIDDEN, "shards": shards, "rows": written[0]}]
+    replies += [{"stage": 0, "shard": r, "slots": list(range(len(layer_ids))),
+                 "segments": [s.to_wire()[:3] for s in slicers[r].segments], "steps": slicers[r].steps,
+                 "rows": written[r], "error": None} for r in range(1, shards)]
+    merged = core.merge_stage_captures(core.stage_replies(replies), layer_ids)
+    if merged["error"]:
+        raise CaptureError(merged["error"])
     prompts = [[token(i, p) for p in range(n)] for i, n in enumerate(lengths)]
-    core.check_segments(prompts, [s.to_wire() for s in slicer.segments], layer_ids)
+    core.check_segments(prompts, merged["segments"], layer_ids)
     return arena.tensors_from_payload(sink.payload(), layout, "float32", HIDDEN)
 
 
@@ -147,10 +176,10 @@ def expected(i, n, layer_id):
     return torch.stack([torch.full_like(pos, i), pos, torch.full_like(pos, layer_id)], 1)
 
 
-def check_reassembly(sc, core=None, arena=None, direct=False):
+def check_reassembly(sc, core=None, arena=None, direct=False, shards=1):
     lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call = sc
     steps = schedule(lengths, budget, max_seqs, pad, decode_rows, foreign, seed, call)
-    out = run_steps(steps, lengths, layer_ids, call, core=core, arena=arena, direct=direct)
+    out = run_steps(steps, lengths, layer_ids, call, core=core, arena=arena, direct=direct, shards=shards)
     assert len(out) == len(lengths)
     for i, per_layer in enumerate(out):
         assert len(per_layer) == len(layer_ids)
@@ -285,7 +314,7 @@ def faulty(draw):
 PLAN_MISMATCH = r"|put them elsewhere"
 
 
-def check_fault(case, core=None, arena=None, direct=False):
+def check_fault(case, core=None, arena=None, direct=False, shards=1):
     (lengths, layer_ids, budget, max_seqs, pad, decode_rows, foreign, seed, call), fault, fseed = case
     steps = schedule(lengths, budget, max_seqs, pad, decode_rows, foreign, seed, call)
     steps = [tuple(list(x) for x in s) for s in steps]
@@ -294,7 +323,7 @@ def check_fault(case, core=None, arena=None, direct=False):
     except (IndexError, ValueError):  # no step offers what the fault needs (rare)
         return False
     with pytest.raises(CaptureError, match=FAULTS[fault] + (PLAN_MISMATCH if direct else "")):
-        run_steps(steps, lengths, layer_ids, call, core=core, arena=arena, direct=direct)
+        run_steps(steps, lengths, layer_ids, call, core=core, arena=arena, direct=direct, shards=shards)
     return True
 
 
@@ -335,6 +364,90 @@ def direct_examples(core=capture, arena=arena_mod):
     assert all(torch.equal(t, expected(0, 40, layer_ids[j])) for j, t in enumerate(out[0]))
     with pytest.raises(CaptureError, match="put them elsewhere"):
         run_steps(steps, lengths, layer_ids, call, core=core, arena=arena, direct=True)
+
+
+# -- tensor-parallel ranks sharing the copies ------------------------------------
+
+
+def _share_replies():
+    primary = {"stage": 0, "slots": [0, 1], "transport": "shm", "steps": 2, "foreign_rows": 0,
+               "segments": [[0, 0, 3, [1, 2, 3]], [1, 0, 2, [4, 5]]], "error": None, "dtype": "float32",
+               "hidden_size": 8, "token_ids_checked": True, "shards": 2, "rows": 4}
+    share = {"stage": 0, "shard": 1, "slots": [0, 1], "segments": [[0, 0, 3], [1, 0, 2]], "steps": 2,
+             "rows": 6, "error": None}
+    return primary, share
+
+
+def shard_examples(core=capture, arena=arena_mod):
+    """Shared copies on fixed cases, and every fault of a share refused; also
+    run against every mutant."""
+    for total in range(0, 23):
+        for shards in range(1, 5):
+            rows = [core.shard_rows(total, r, shards) for r in range(shards)]
+            assert [i for lo, hi in rows for i in range(lo, hi)] == list(range(total)), (total, shards)
+    with pytest.raises(ValueError, match="shard 2 of 2"):
+        core.shard_rows(10, 2, 2)
+    seg = capture.Segment(index=0, src=4, start=10, count=6, token_ids=None)
+    assert core.clip_run(seg, 0, 4) is None and core.clip_run(seg, 10, 12) is None
+    assert core.clip_run(seg, 6, 8) == (6, 12, 2) and core.clip_run(seg, 0, 100) == (4, 10, 6)
+    # chunked, reordered, padded, decode rows, another call's rows: exact with 2 and 3 ranks
+    sc = ([37, 20, 5], [1, 4], 16, 2, 3, True, True, 7, 2)
+    check_reassembly(sc, core=core, arena=arena, shards=2)
+    check_reassembly(sc, core=core, arena=arena, direct=True, shards=3)
+    # the replies: a share is checked against rank 0's capture
+    primary, share = _share_replies()
+    (ok,) = core.stage_replies([dict(primary), dict(share)])
+    assert ok["error"] is None and ok["segments"] == primary["segments"]
+
+    def error(**change):
+        p, h = _share_replies()
+        h.update(change)
+        (out,) = core.stage_replies([p, h])
+        return out["error"]
+
+    assert "wrote 9 rows x layers, the call's runs hold 10" in error(rows=5)
+    assert "wrote 11 rows x layers" in error(rows=7)
+    assert "rank 1 attributed the rows otherwise than rank 0" in error(segments=[[0, 0, 2], [0, 2, 1], [1, 0, 2]])
+    assert "rank 1 attributed 3 steps, rank 0 2" in error(steps=3)
+    assert error(error="boom") == "tensor-parallel rank 1: boom"
+    p, _h = _share_replies()
+    with pytest.raises(CaptureError, match=r"shared by 2 tensor-parallel ranks, but ranks \[\] sent"):
+        core.stage_replies([p, None])
+    with pytest.raises(CaptureError, match=r"shared by 2 tensor-parallel ranks, but ranks \[\] sent"):
+        core.stage_replies(dict(p))  # a bare reply (unique_reply_rank) cannot hold the shares
+    p, h = _share_replies()
+    with pytest.raises(CaptureError, match="stage 1: tensor-parallel shares came without rank 0's capture"):
+        core.stage_replies([p, dict(h, stage=1)])
+    # rank 0 alone (shards 1): its rows must still be every run's rows
+    p, _h = _share_replies()
+    (out,) = core.stage_replies([dict(p, shards=1, rows=10), None])
+    assert out["error"] is None
+    (out,) = core.stage_replies([dict(p, shards=1, rows=4), None])
+    assert "wrote 4 rows x layers, the call's runs hold 10" in out["error"]
+    # a stream's exchange: each taken capture checked with its shares
+    p, h = _share_replies()
+    (out,) = core.stage_replies([{"taken": [p], "added": [], "stage": 0, "shards": 2},
+                                 {"taken": [dict(h, rows=1)], "added": [], "stage": 0, "shard": 1}])
+    assert "wrote 5 rows x layers" in out["taken"][0]["error"]
+
+
+def test_tensor_parallel_shares_tile_each_step_and_are_checked():
+    shard_examples()
+
+
+# pure logic, the same on every release: in one env (the fixed cases above run in all)
+@pytest.mark.once
+@settings(max_examples=150, deadline=None)
+@given(scenarios(), st.integers(1, 4), st.booleans())
+def test_reassembly_is_exact_with_copies_shared_by_tensor_parallel_ranks(sc, shards, direct):
+    check_reassembly(sc, direct=direct, shards=shards)
+
+
+@pytest.mark.once
+@settings(max_examples=150, deadline=None)
+@given(faulty(), st.integers(2, 4), st.booleans())
+def test_every_single_fault_is_refused_with_copies_shared(case, shards, direct):
+    check_fault(case, direct=direct, shards=shards)
 
 
 def test_a_plan_the_positions_contradict_is_refused_not_written_silently():

@@ -31,6 +31,7 @@ from test_capture_core import (  # noqa: E402
     direct_examples,
     faulty,
     scenarios,
+    shard_examples,
 )
 
 # name: (module, old text, new text)
@@ -75,8 +76,8 @@ MUTANTS = {
     "non-dict-reply-skipped": (capture, "        if not isinstance(r, dict):\n            raise",
                                "        if not isinstance(r, dict):\n            continue\n            raise"),
     "two-ranks-of-a-stage-accepted": (capture, "        if stage in out:", "        if False:"),
-    "stages-keyed-by-position": (capture, "        stage = int(r.get(\"stage\", 0))\n        if stage in out:",
-                                 "        stage = rank\n        if stage in out:"),
+    "stages-keyed-by-position": (capture, "        stage = int(r.get(\"stage\", 0))\n        if r.get(\"shard\"):",
+                                 "        stage = rank\n        if r.get(\"shard\"):"),
     "no-capture-accepted": (capture, "    if not out:\n", "    if False:\n"),
     "slot-range-not-checked": (capture, "            if not 0 <= slot < len(layer_ids):", "            if False:"),
     "layer-from-two-stages-accepted": (capture, "            if slot in owner:", "            if False:"),
@@ -87,6 +88,20 @@ MUTANTS = {
     "stage-dtypes-not-compared": (capture, "            if r[key] != first[key]:", "            if False:"),
     "stage-rows-not-compared": (capture, "                if a != b:", "                if False:"),
     "stage-error-dropped": (capture, "        if r.get(\"error\"):", "        if False:"),
+    # -- tensor-parallel ranks sharing the copies ---------------------------------
+    "shares-overlap": (capture, "return total * shard // shards, total * (shard + 1) // shards",
+                       "return total * shard // shards, total"),
+    "clipped-run-keeps-its-start": (capture, "return a, seg.start + (a - seg.src), b - a", "return a, seg.start, b - a"),
+    "share-runs-not-compared": (capture, "        if theirs != mine:", "        if False:"),
+    "share-steps-not-compared": (
+        capture, '        if int(h.get("steps", -1)) != int(primary.get("steps", -2)):', "        if False:"),
+    "share-rows-not-counted": (capture, "        if written != expected:", "        if False:"),
+    "share-error-dropped": (capture, '        if h.get("error"):', "        if False:"),
+    "missing-share-accepted": (capture, "    if got != list(range(1, shards)):", "    if False:"),
+    "share-without-its-stage-accepted": (capture, "    if stray:\n", "    if False:\n"),
+    "bare-reply-shares-not-checked": (
+        capture, '        return [fold_shards(int(reply.get("stage", 0)), reply, [])]', "        return [reply]"),
+    "exchange-shares-not-checked": (capture, "            _fold_capture(stage, capture, shares)", "            pass"),
     # -- the arena ------------------------------------------------------------------
     "row-width-or-count-not-checked": (
         arena, "if rows.dim() != 2 or rows.shape[0] != count or rows.shape[1] != self.hidden:", "if False:"),
@@ -140,6 +155,7 @@ def test_real_modules_pass_every_check():
     core_examples(capture, arena)
     arena_examples(capture, arena)
     direct_examples(capture, arena)
+    shard_examples(capture, arena)
     check_reassembly(([3, 5], [0, 2], 4, 2, 2, True, True, 0, 1))
 
 
@@ -151,6 +167,7 @@ def test_mutant_is_caught(name, tmp_path):
         core_examples(core, arena_mutant)
         arena_examples(core, arena_mutant, tmp_path)
         direct_examples(core, arena_mutant)
+        shard_examples(core, arena_mutant)
 
     # no shrinking: finding any counterexample is the point, not the smallest
     quick = settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck),

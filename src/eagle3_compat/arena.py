@@ -53,7 +53,10 @@ from typing import Any
 
 from .capture import CaptureError
 
-__all__ = ["ArenaLayout", "ArenaPool", "DriverArena", "LocalSink", "ShmSink", "SHM_DIR", "PREFIX", "transport_choice"]
+__all__ = [
+    "ArenaLayout", "ArenaPool", "DriverArena", "LocalSink", "Probe", "ShmSink", "SHM_DIR", "PREFIX",
+    "probe_seen", "shard_choice", "transport_choice",
+]
 
 SHM_DIR = "/dev/shm"
 PREFIX = "eagle3_compat-"
@@ -119,6 +122,51 @@ def direct_choice() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"EAGLE3_COMPAT_DIRECT must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def shard_choice() -> bool:
+    """``EAGLE3_COMPAT_SHARD`` (1, the default: with tensor parallelism each
+    rank copies its share of every step's rows into the arena, over its own
+    device-to-host link, where every rank of the stage sees the driver's
+    ``/dev/shm``; 0: tensor rank 0 copies every row, as before), checked."""
+    value = os.environ.get("EAGLE3_COMPAT_SHARD", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"EAGLE3_COMPAT_SHARD must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+class Probe:
+    """A small file in ``/dev/shm`` with a random nonce: the workers that can
+    read it share the driver's host and shared memory (:func:`probe_seen`).
+    Named like an arena (the driver's pid), so a killed driver's probe is
+    swept by the next one; removed on exit from the ``with`` block."""
+
+    def __init__(self, directory: str = SHM_DIR) -> None:
+        self.path = os.path.join(directory, f"{PREFIX}{os.getpid()}-probe-{secrets.token_hex(6)}")
+        self.nonce = secrets.token_hex(NONCE_BYTES)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, self.nonce.encode())
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> Probe:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def probe_seen(path: str, nonce: str) -> bool:
+    """Whether the driver's :class:`Probe` at ``path`` is readable here with its nonce."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(nonce) + 1) == nonce.encode()
+    except OSError:
+        return False
 
 
 def transport_choice() -> str:

@@ -39,10 +39,13 @@ __all__ = [
     "check_plan",
     "check_segments",
     "check_stage_layers",
+    "clip_run",
+    "fold_shards",
     "make_request_id",
     "merge_stage_captures",
     "parse_request_id",
     "rank0_reply",
+    "shard_rows",
     "stage_replies",
 ]
 
@@ -285,6 +288,104 @@ def check_plan(step: int, planned: Sequence[Segment], actual: Sequence[Segment])
         )
 
 
+def shard_rows(total: int, shard: int, shards: int) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of a step's ``total`` rows that tensor-parallel
+    rank ``shard`` of ``shards`` copies to the host.
+
+    After a decoder layer's all-reduce every tensor-parallel rank holds the
+    same rows, so each can send a share of them over its own device-to-host
+    link (at TP 8 each link carries 1/8 of the step's bytes).  The shares
+    are contiguous, in rank order, and tile ``0..total-1`` exactly.
+    """
+    if not (isinstance(shards, int) and shards >= 1 and isinstance(shard, int) and 0 <= shard < shards):
+        raise ValueError(f"shard {shard!r} of {shards!r}: need 0 <= shard < shards")
+    return total * shard // shards, total * (shard + 1) // shards
+
+
+def clip_run(seg: Segment, lo: int, hi: int) -> tuple[int, int, int] | None:
+    """The part of run ``seg`` inside the step's rows ``[lo, hi)``:
+    ``(src, start, count)`` (row in the step, position in the prompt, rows),
+    or ``None`` when the run lies outside."""
+    a, b = max(seg.src, lo), min(seg.src + seg.count, hi)
+    if a >= b:
+        return None
+    return a, seg.start + (a - seg.src), b - a
+
+
+def _fold_capture(stage: int, primary: dict[str, Any], helpers: Sequence[Mapping[str, Any]]) -> None:
+    """Check one capture's shares (:func:`fold_shards`); a fault becomes the
+    capture's ``error`` (the driver raises it before any result is used)."""
+    if primary.get("error"):
+        return
+    where = f"pipeline stage {stage}: " if stage else ""
+
+    def runs(reply: Mapping[str, Any]) -> list[tuple[int, int, int]]:
+        return [(int(s[0]), int(s[1]), int(s[2])) for s in reply.get("segments", ())]
+
+    mine = runs(primary)
+    for h in helpers:
+        rank = h.get("shard")
+        if h.get("error"):
+            primary["error"] = f"{where}tensor-parallel rank {rank}: {h['error']}"
+            return
+        if int(h.get("steps", -1)) != int(primary.get("steps", -2)):
+            primary["error"] = (
+                f"{where}tensor-parallel rank {rank} attributed {h.get('steps')} steps, rank 0 "
+                f"{primary.get('steps')}: the ranks' shares of the rows cannot be trusted"
+            )
+            return
+        theirs = runs(h)
+        if theirs != mine:
+            diff = [(a, b) for a, b in zip(mine, theirs) if a != b] or [(mine[len(theirs):], theirs[len(mine):])]
+            primary["error"] = (
+                f"{where}tensor-parallel rank {rank} attributed the rows otherwise than rank 0 "
+                f"((prompt, position, count) rank 0 vs rank {rank}: {diff[:3]}): its share of "
+                "the rows may sit elsewhere"
+            )
+            return
+    if "rows" in primary:
+        written = int(primary["rows"]) + sum(int(h.get("rows", 0)) for h in helpers)
+        expected = sum(c for _i, _s, c in mine) * len(primary.get("slots", ()))
+        if written != expected:
+            primary["error"] = (
+                f"{where}the tensor-parallel ranks wrote {written} rows x layers, the call's runs "
+                f"hold {expected}: rows are missing or written twice"
+            )
+
+
+def fold_shards(stage: int, primary: dict[str, Any], helpers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One pipeline stage's reply with its tensor-parallel shares checked.
+
+    With sharded copies (:func:`shard_rows`) the rank-0 worker of a stage
+    replies with the call's metadata and every other tensor-parallel rank of
+    the stage with its share: the runs it attributed, the steps it saw and
+    the rows it wrote (``"shard"``: its rank).  Each rank attributes every
+    step itself (from its own positions), so the runs must be rank 0's, the
+    steps the same, and the rows written by all ranks together exactly the
+    runs' rows times the stage's layers; any difference, or a rank's own
+    error, becomes the reply's ``error`` (named by stage and rank), and a
+    rank that did not reply at all is a :class:`CaptureError` here.  Works
+    on the replies of ``e3c_take`` (a capture), ``e3c_exchange``
+    (``"taken"``: a list of captures) and ``e3c_add``.
+    """
+    shards = int(primary.get("shards", 1))
+    got = sorted(int(h.get("shard", -1)) for h in helpers)
+    if got != list(range(1, shards)):
+        raise CaptureError(
+            f"pipeline stage {stage}: the call's rows were shared by {shards} tensor-parallel ranks, "
+            f"but ranks {got} sent their share (expected {list(range(1, shards))})"
+        )
+    if "taken" in primary:
+        for j, capture in enumerate(primary["taken"]):
+            shares = [h["taken"][j] for h in helpers if j < len(h.get("taken", ()))]
+            if len(shares) != len(helpers):
+                raise CaptureError(f"pipeline stage {stage}: a tensor-parallel rank handed over fewer prompts")
+            _fold_capture(stage, capture, shares)
+    elif "segments" in primary:
+        _fold_capture(stage, primary, helpers)
+    return primary
+
+
 def rank0_reply(reply: Any) -> Any:
     """The tensor-parallel rank-0 capture from a ``collective_rpc`` reply.
 
@@ -318,13 +419,17 @@ def stage_replies(reply: Any) -> list[dict[str, Any]]:
     every other worker sends None.  Like :func:`rank0_reply`, a bare dict
     (``unique_reply_rank``) is accepted; a reply that is neither a dict nor
     None (the 0.3.0 "[0] of a bare reply" mistake), no capture at all, or two
-    captures from one stage (two tensor-parallel ranks) are errors.
+    captures from one stage (two tensor-parallel ranks) are errors.  The
+    shares of the other tensor-parallel ranks of a sharded call
+    (``"shard"`` >= 1) are checked against their stage's capture and folded
+    into it (:func:`fold_shards`).
     """
     if isinstance(reply, dict):
-        return [reply]
+        return [fold_shards(int(reply.get("stage", 0)), reply, [])]
     if not isinstance(reply, (list, tuple)) or not reply:
         raise CaptureError(f"unexpected collective_rpc reply of type {type(reply).__name__}")
     out: dict[int, dict[str, Any]] = {}
+    shares: dict[int, list[dict[str, Any]]] = {}
     for rank, r in enumerate(reply):
         if r is None:  # not a capturing worker (tensor rank > 0, or a stage without requested layers)
             continue
@@ -334,6 +439,9 @@ def stage_replies(reply: Any) -> list[dict[str, Any]]:
                 "is this a bare reply indexed twice?"
             )
         stage = int(r.get("stage", 0))
+        if r.get("shard"):  # another tensor-parallel rank's share of a sharded call
+            shares.setdefault(stage, []).append(r)
+            continue
         if stage in out:
             raise CaptureError(
                 f"captures came from more than one tensor-parallel rank of pipeline stage {stage}"
@@ -341,7 +449,10 @@ def stage_replies(reply: Any) -> list[dict[str, Any]]:
         out[stage] = r
     if not out:
         raise CaptureError("no worker sent a capture (every reply was None)")
-    return [out[s] for s in sorted(out)]
+    stray = sorted(set(shares) - set(out))
+    if stray:
+        raise CaptureError(f"pipeline stage {stray[0]}: tensor-parallel shares came without rank 0's capture")
+    return [fold_shards(s, out[s], shares.get(s, ())) for s in sorted(out)]
 
 
 def check_stage_layers(claims: Mapping[int, Sequence[int]], layer_ids: Sequence[int]) -> None:

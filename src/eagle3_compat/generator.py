@@ -30,9 +30,11 @@ from typing import Any
 from .arena import (
     ArenaPool,
     DriverArena,
+    Probe,
     direct_choice,
     layout_for,
     pool_keep_bytes,
+    shard_choice,
     tensors_from_payload,
     transport_choice,
 )
@@ -226,10 +228,46 @@ def generator_init(
     # now, before any prompt (and again on every reply).
     try:
         check_stage_layers({i["stage"]: i["slots"] for i in infos if i["capturing"]}, self.layer_ids)
+        self._e3c_shardable = _shardable(self, infos, distributed_executor_backend)
     except CaptureError:
         generator_close(self)
         raise
     log.info("capture ready: %s", infos[0] if len(infos) == 1 else infos)
+    if any(n > 1 for n in self._e3c_shardable):
+        log.info("tensor-parallel ranks share the device-to-host copies (ranks per pipeline stage: %s; "
+                 "EAGLE3_COMPAT_SHARD=0: rank 0 copies every row)", self._e3c_shardable)
+
+
+def _shardable(self: Any, infos: list[dict[str, Any]], backend: str | None) -> list[int]:
+    """Per pipeline stage, how many tensor-parallel ranks can share the copies
+    of a call's rows: all of the stage's ranks when every one of them sees
+    the driver's ``/dev/shm`` (a :class:`~eagle3_compat.arena.Probe` file
+    read by each worker), else 1 (rank 0 copies every row).  Not with Ray's
+    executor: its steps and RPCs travel on different channels, and whether a
+    rank > 0 has finished a step when the call's rows are collected is
+    unverified there (the shares' checks would fail the call, not pass
+    wrong rows)."""
+    stages = 1 + max(int(i.get("stage", 0)) for i in infos)
+    out = [1] * stages
+    if backend == "ray" or all(int(i.get("tp_size", 1)) == 1 for i in infos) or not ArenaPool.available():
+        return out
+    with Probe() as probe:
+        seen = _rpc(self, "e3c_probe", probe.path, probe.nonce)
+    for stage in range(stages):
+        ranks = [(i, ok) for i, ok in zip(infos, seen) if int(i.get("stage", 0)) == stage and i.get("slots")]
+        if (len(ranks) > 1 and len(ranks) == int(ranks[0][0].get("tp_size", 1))
+                and all(ok is True for _i, ok in ranks)):
+            out[stage] = len(ranks)
+    return out
+
+
+def _call_shards(self: Any) -> list[int] | None:
+    """This call's shares (``EAGLE3_COMPAT_SHARD``, read per call): None when
+    rank 0 copies every row (off, the RPC path, or nothing to share)."""
+    shardable = self.__dict__.get("_e3c_shardable") or [1]
+    if not shard_choice() or transport_choice() == "rpc" or all(n == 1 for n in shardable):
+        return None
+    return list(shardable)
 
 
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -345,7 +383,7 @@ def generator_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
     layout = _layout(self, prompts)
     arena = None
     try:
-        _rpc(self, "e3c_arm", call, direct_choice())
+        _rpc(self, "e3c_arm", call, direct_choice(), _call_shards(self))
         arena = _add_group(self, call, 0, list(enumerate(map(len, prompts))), layout)
         for rid, ids in zip(req_ids, prompts):
             engine.add_request(rid, {"prompt_token_ids": ids}, params)
@@ -419,7 +457,7 @@ def generator_stream(
     finished: list[int] = []  # out of the engine, rows not taken yet
     exhausted = False
     try:
-        _rpc(self, "e3c_arm", call, direct_choice())
+        _rpc(self, "e3c_arm", call, direct_choice(), _call_shards(self))
         while True:
             # Refill every slot that is free once the finished prompts are
             # taken.  Taking them and adding their successors is one RPC: the

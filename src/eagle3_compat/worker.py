@@ -56,8 +56,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .arena import LocalSink, ShmSink, forget_all, layout_for
-from .capture import CaptureError, Segment, StepLayout, StepSlicer, check_plan
+from .arena import LocalSink, ShmSink, forget_all, layout_for, probe_seen
+from .capture import CaptureError, Segment, StepLayout, StepSlicer, check_plan, clip_run, shard_rows
 from .logs import attach_to_vllm_logging, get_logger
 from .offload import HostOffload, Staged
 from .runners import RUNNER_V1, UnknownRunnerError, runner_kind, runner_layout, runner_token_ids
@@ -191,11 +191,15 @@ class _Step:
     """
 
     __slots__ = ("total", "call", "scheduled", "layout", "planned", "targets", "direct",
-                 "layers", "positions", "token_ids")
+                 "layers", "seen", "positions", "token_ids", "lo", "hi")
 
     def __init__(self, total: int, call: _Call | None = None, scheduled: Any = None) -> None:
         self.total = total
         self.call = call
+        # The rows this worker copies: all of them, or its tensor-parallel
+        # rank's share in a sharded call (capture.shard_rows).
+        self.lo, self.hi = (0, total) if call is None else shard_rows(total, call.shard, call.shards)
+        self.seen: dict[int, int] = {}  # layer slot -> rows its tensor had
         self.scheduled = scheduled  # SchedulerOutput.num_scheduled_tokens
         self.layout: StepLayout | None = None
         self.planned: list[Segment] | None = None
@@ -211,18 +215,23 @@ class _Step:
         rows (padding never leaves the device) to staging, for
         :meth:`_Call.process` to attribute and write."""
         targets = self.targets
+        self.seen[slot] = int(h.shape[0]) if h.dim() else 0
+        lo, hi = self.lo, self.hi
         if (targets is not None and h.dim() == 2 and h.shape[0] >= self.total
                 and h.shape[1] == hidden and h.dtype == dtype):
+            pairs = []
+            for sink, local, seg in targets:
+                part = clip_run(seg, lo, hi)
+                if part is not None:
+                    src, start, count = part
+                    pairs.append((sink.view(local, slot)[start : start + count], h[src : src + count]))
             try:
-                self.layers[slot] = offload.submit_runs([
-                    (sink.view(local, slot)[seg.start : seg.start + seg.count], h[seg.src : seg.src + seg.count])
-                    for sink, local, seg in targets
-                ])
+                self.layers[slot] = offload.submit_runs(pairs)
                 self.direct.add(slot)
                 return
             except ValueError:  # a run that does not fit: the staged path reports it
                 pass
-        self.layers[slot] = offload.submit(slot, h[: self.total], owned)
+        self.layers[slot] = offload.submit(slot, h[lo:hi], owned)
 
     def release(self) -> None:
         for staged in (*self.layers.values(), self.positions, self.token_ids):
@@ -240,6 +249,7 @@ class _Group:
         self.transport = transport
         self.direct = direct  # rows may be copied into the sink during the step
         self.segments: list[Any] = []
+        self.rows = 0  # rows x layer slots this worker wrote (its share in a sharded call)
 
     def close(self) -> None:
         sink, self.sink = self.sink, None
@@ -248,9 +258,19 @@ class _Group:
 
 
 class _Call:
-    """The rank-0 worker's state for one ``generate()`` call or stream."""
+    """A capturing worker's state for one ``generate()`` call or stream.
 
-    def __init__(self, call: int, debug: bool) -> None:
+    ``shard`` of ``shards``: this worker's tensor-parallel rank when the
+    ranks share the copies (each writes its rows of every step,
+    :func:`~eagle3_compat.capture.shard_rows`); ``0`` of ``1`` otherwise.
+    Every rank attributes every step itself; rank 0 replies with the
+    call's metadata, the others with their share (checked by the driver,
+    :func:`~eagle3_compat.capture.fold_shards`).
+    """
+
+    def __init__(self, call: int, debug: bool, shard: int = 0, shards: int = 1) -> None:
+        shard_rows(0, shard, shards)  # checked
+        self.shard, self.shards = shard, shards
         self.slicer = StepSlicer(call=call, lengths={})
         self.groups: dict[int, _Group] = {}
         self.owner: dict[int, _Group] = {}  # prompt index -> its group
@@ -313,19 +333,24 @@ class _Call:
             token_ids = None if step.token_ids is None else step.token_ids.wait().tolist()
             # Direct slots: their rows are in the arena once the copies ended (wait()).
             rows = {s: step.layers[s].wait() for s in slots}
-            counts = [step.total if s in step.direct else rows[s].shape[0] for s in slots]
+            counts = [step.seen.get(s, 0) for s in slots]
             segments = self.slicer.slice_step(layout, positions.tolist(), token_ids, counts)
             if step.planned is not None:
                 check_plan(self.slicer.steps - 1, step.planned, segments)
             self.direct_steps += bool(step.direct)
+            lo, hi = step.lo, step.hi
             for seg in segments:
                 group = self.owner[seg.index]
                 group.segments.append(seg)
+                part = clip_run(seg, lo, hi)  # this worker's rows of the run
+                if part is None:
+                    continue
+                src, start, count = part
                 local = group.local[seg.index]
                 for slot in slots:
-                    if slot not in step.direct:
-                        r = rows[slot]
-                        group.sink.write(local, slot, seg.start, seg.count, r[seg.src : seg.src + seg.count])
+                    if slot not in step.direct:  # staged: rows[slot] holds the step's rows lo..hi-1
+                        group.sink.write(local, slot, start, count, rows[slot][src - lo : src - lo + count])
+                group.rows += count * len(slots)
             if self.debug:
                 log.warning(
                     "step %d: %d rows, requests %s, rows per layer slot %s, copied directly %s",
@@ -381,18 +406,24 @@ class CaptureWorkerExtension:
         stage, stages = int(pp.rank_in_group), int(pp.world_size)
         owned = _owned_layers(base, layers, stage, stages)
         self._e3c_layer_ids = list(layer_ids)
-        self._e3c_rank0 = get_tp_group().rank_in_group == 0
+        tp = get_tp_group()
+        self._e3c_tp_rank, self._e3c_tp_size = int(tp.rank_in_group), int(tp.world_size)
+        self._e3c_rank0 = self._e3c_tp_rank == 0
         self._e3c_stage = stage
         # Pipeline parallel: this stage captures the requested layers it runs
         # (their slots in layer_ids order); the tensor-rank-0 worker of each
         # stage with such a layer replies, the others send None.
         self._e3c_slots = [s for s, k in enumerate(self._e3c_layer_ids) if k in owned]
         self._e3c_capturing = self._e3c_rank0 and bool(self._e3c_slots)
+        # Every tensor-parallel rank of such a stage hooks the layers: in a
+        # sharded call (e3c_arm) each copies its share of the rows; otherwise
+        # the hooks of ranks > 0 return at once (no call is armed there).
+        self._e3c_hooked = bool(self._e3c_slots)
         self._e3c_call: _Call | None = None
         self._e3c_step: _Step | None = None
         self._e3c_maps: dict[str, Any] = {}  # the driver's pool files mapped here, by key
         self._e3c_debug = os.environ.get("EAGLE3_COMPAT_DEBUG", "") not in ("", "0")
-        self._e3c_offload = HostOffload(param.device) if self._e3c_capturing else None
+        self._e3c_offload = HostOffload(param.device) if self._e3c_hooked else None
         self._e3c_dtype = str(param.dtype).removeprefix("torch.")
         self._e3c_hidden = int(runner.model_config.get_hidden_size())
         # Direct copies (rows straight into the arena during the step) need
@@ -444,7 +475,8 @@ class CaptureWorkerExtension:
             positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
             if positions is not None:
                 step.positions = offload.submit("positions", positions[..., : step.total])
-            if input_ids is not None:
+            if input_ids is not None and (step.call is None or step.call.shard == 0):
+                # (rank 0's token ids are checked against the prompts; a share's runs against rank 0's)
                 step.token_ids = offload.submit("token_ids", input_ids[: step.total])
             if self._e3c_direct and step.layout is None and step.call is not None:
                 # The batch is laid out by now (the runner prepared its inputs).
@@ -455,7 +487,7 @@ class CaptureWorkerExtension:
                 if layout.total == step.total:
                     step.call.plan(step, layout)
 
-        if self._e3c_capturing:
+        if self._e3c_hooked:
             for slot in self._e3c_slots:
                 k = self._e3c_layer_ids[slot]
                 if capture == "layer_input":
@@ -501,6 +533,8 @@ class CaptureWorkerExtension:
             "capture": capture,
             "num_layers": n_layers,
             "rank0": self._e3c_rank0,
+            "tp_rank": self._e3c_tp_rank,
+            "tp_size": self._e3c_tp_size,
             "stage": stage,
             "stages": stages,
             "owned": [owned.start, owned.stop],
@@ -563,20 +597,39 @@ class CaptureWorkerExtension:
     # driver's arena for it), the engine steps, e3c_take for each group once
     # its requests have finished.  generate() adds all its prompts as one
     # group; a stream adds and takes one prompt at a time.
-    def e3c_arm(self, call: int, direct: bool = True) -> None:
+    def e3c_arm(self, call: int, direct: bool = True, shards: list[int] | None = None) -> None:
         """Start call ``call`` (forgetting any earlier one).
 
         ``direct``: copy rows into the call's arena during the step where this
-        worker can (:meth:`_e3c_pin`); ``False``: the staged path only."""
+        worker can (:meth:`_e3c_pin`); ``False``: the staged path only.
+        ``shards``: per pipeline stage, how many tensor-parallel ranks share
+        the copies (1: rank 0 copies every row; the stage's tensor-parallel
+        size: each rank copies its share, into the same arena)."""
         if not getattr(self, "_e3c_active", False):
             raise RuntimeError(
                 "eagle3_compat: capture is not set up in this worker (e3c_teardown was called, "
                 "or e3c_setup never ran); no hidden states would be captured"
             )
         self.e3c_disarm()
-        if self._e3c_capturing:
-            self._e3c_call = _Call(call, self._e3c_debug)
+        n = int(shards[self._e3c_stage]) if shards and self._e3c_stage < len(shards) else 1
+        if n not in (1, self._e3c_tp_size):
+            raise RuntimeError(
+                f"eagle3_compat: call {call} shares the copies among {n} ranks, but pipeline stage "
+                f"{self._e3c_stage} has {self._e3c_tp_size} tensor-parallel ranks"
+            )
+        if self._e3c_capturing or (self._e3c_hooked and n > 1):
+            self._e3c_call = _Call(call, self._e3c_debug, self._e3c_tp_rank if n > 1 else 0, n)
             self._e3c_call_direct = bool(direct) and self._e3c_direct
+
+    def _e3c_share(self) -> _Call | None:
+        """The armed call when this worker (tensor rank > 0) copies a share of it."""
+        state = getattr(self, "_e3c_call", None)
+        return state if state is not None and state.shard > 0 else None
+
+    def e3c_probe(self, path: str, nonce: str) -> bool:
+        """Whether this worker sees the driver's probe file (same host and
+        ``/dev/shm``): the driver shares the copies only among ranks that do."""
+        return probe_seen(path, nonce)
 
     def e3c_add(
         self, call: int, group: int, prompts: list[list[int]], arena: dict[str, Any] | None
@@ -589,17 +642,22 @@ class CaptureWorkerExtension:
         a pipeline stage that owns a requested layer), the transport in use
         and why; ``None`` on other workers.
         """
-        if not self._e3c_capturing:
+        if not getattr(self, "_e3c_hooked", self._e3c_capturing):
             return None
+        if arena is not None:
+            for key in arena.get("forget", ()):
+                self._e3c_unpin(key)  # before the mapping goes
+                mm = self._e3c_maps.pop(key, None)
+                if mm is not None:
+                    forget_all({key: mm})
         state = self._e3c_call
+        if not self._e3c_capturing and self._e3c_share() is None:
+            return None  # tensor rank > 0 of a call that rank 0 copies alone
         if state is None or state.slicer.call != call:
             raise RuntimeError(f"eagle3_compat: capture was not armed for call {call} in this worker")
         import torch  # noqa: PLC0415
 
         dtype = getattr(torch, self._e3c_dtype)
-        if arena is not None:
-            for key in arena.get("forget", ()):
-                self._e3c_unpin(key)  # before the mapping goes (ShmSink.open unmaps it)
         layout = layout_for(
             [n for _i, n in prompts], len(self._e3c_layer_ids), self._e3c_hidden, self._e3c_dtype
         )
@@ -609,12 +667,23 @@ class CaptureWorkerExtension:
             opened = ShmSink.open(arena, layout, dtype, self._e3c_hidden, self._e3c_maps)
             if isinstance(opened, str):
                 why = opened
+                if state.shards > 1:
+                    raise RuntimeError(
+                        f"eagle3_compat: tensor-parallel rank {state.shard} of pipeline stage "
+                        f"{self._e3c_stage} {why}; the ranks share the copies of this call "
+                        "(EAGLE3_COMPAT_SHARD=0: rank 0 copies every row)"
+                    )
                 if arena.get("required"):
                     raise RuntimeError(
                         f"eagle3_compat: EAGLE3_COMPAT_TRANSPORT=shm but the rank-0 worker {why}"
                     )
             else:
                 sink = opened
+        elif state.shards > 1:
+            raise RuntimeError(
+                f"eagle3_compat: call {call} shares the copies among {state.shards} tensor-parallel "
+                "ranks, which needs the driver's arena; none was sent"
+            )
         transport = "shm" if sink is not None else "rpc"
         if sink is None:
             sink = LocalSink(layout, dtype, self._e3c_hidden)
@@ -624,7 +693,11 @@ class CaptureWorkerExtension:
         except CaptureError:
             sink.close()
             raise
-        return {"transport": transport, "why": why, "stage": self._e3c_stage, "direct": direct}
+        reply = {"transport": transport, "why": why, "stage": self._e3c_stage, "direct": direct,
+                 "shards": state.shards}
+        if state.shard:
+            reply["shard"] = state.shard
+        return reply
 
     def _e3c_pin(self, sink: Any) -> bool:
         """Whether rows may be copied into ``sink`` during the step.
@@ -662,15 +735,21 @@ class CaptureWorkerExtension:
         "stage": ...}``; others None."""
         taken = [self.e3c_take(call, group) for group in take]
         added = [self.e3c_add(call, group, prompts, arena) for group, prompts, arena in add]
-        if not self._e3c_capturing:
+        share = self._e3c_share()
+        if not self._e3c_capturing and share is None:
             return None
-        return {"taken": taken, "added": added, "stage": self._e3c_stage}
+        reply = {"taken": taken, "added": added, "stage": self._e3c_stage,
+                 "shards": self._e3c_call.shards if self._e3c_call is not None else 1}
+        if share is not None:
+            reply["shard"] = share.shard
+        return reply
 
     def e3c_take(self, call: int, group: int) -> Any:
         """Hand over group ``group`` of call ``call``: metadata (and the rows on the
         RPC path) of this stage's layer slots; ``None`` on a worker that does
         not capture."""
-        if not self._e3c_capturing:
+        share = self._e3c_share()
+        if not self._e3c_capturing and share is None:
             return None
         state = self._e3c_call
         if state is None or state.slicer.call != call or group not in state.groups:
@@ -680,6 +759,18 @@ class CaptureWorkerExtension:
         # The group's last rows may still be on their way (the CUDA writer thread).
         self._e3c_offload.drain()  # type: ignore[union-attr]
         g = state.take(group)
+        if share is not None:  # this rank's share: checked against rank 0's capture by the driver
+            g.close()
+            return {
+                "stage": self._e3c_stage,
+                "shard": share.shard,
+                "slots": list(self._e3c_slots),
+                "segments": [[g.local[s.index], s.start, s.count] for s in g.segments],
+                "steps": state.slicer.steps,
+                "direct_steps": state.direct_steps,
+                "rows": g.rows,
+                "error": state.error,
+            }
         try:
             reply = {
                 "stage": self._e3c_stage,
@@ -689,6 +780,8 @@ class CaptureWorkerExtension:
                               None if s.token_ids is None else list(s.token_ids)] for s in g.segments],
                 "steps": state.slicer.steps,
                 "direct_steps": state.direct_steps,
+                "shards": state.shards,
+                "rows": g.rows,
                 "foreign_rows": state.slicer.foreign_rows,
                 "error": state.error,
                 # False: some rows' token ids could not be read (a model fed
