@@ -2,8 +2,10 @@
 
 A toy scheduler (chunked prefill under a token budget, shuffled batch
 order, padding rows, decode rows past the prompt, rows of another call's
-requests) produces steps; the worker-side slicer attributes them and writes
-them into an arena exactly as the worker does, and the driver-side check
+requests) produces steps; the worker's own step code (``_Call`` and
+``_Step`` of :mod:`eagle3_compat.worker`: the plan, the layer hook's
+copies, the attribution and writes after the step, ``e3c_take``) handles
+them on one or several tensor-parallel ranks, and the driver-side checks
 and views give the results, which must equal the expected rows bit for
 bit.  ``FAULTS`` then breaks one thing at a time in what the engine hands
 over (a shifted position, a wrong token id, a repeated or unknown request,
@@ -22,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from eagle3_compat import arena as arena_mod
 from eagle3_compat import capture
+from eagle3_compat import worker as worker_mod
 from eagle3_compat.capture import (
     CaptureError,
     StepLayout,
@@ -100,75 +103,107 @@ def rows_for(val, pos, layer_ids):
     return [torch.stack([vals, poss, torch.full_like(vals, L)], 1) for L in layer_ids]
 
 
-def run_steps(steps, lengths, layer_ids, call, core=None, arena=None, direct=False, shards=1):
-    """The worker's side: slice every step and write its runs to an arena; the
-    driver's side: check the metadata as it arrives over the wire, then view.
+def worker_for(core):
+    """The worker module whose step code runs on top of ``core``: the real
+    :mod:`eagle3_compat.worker` for the real core; for another core (a mutant,
+    ``test_capture_mutants``) a copy of the worker's source that imports it,
+    made once and kept on that module."""
+    if core is capture:
+        return worker_mod
+    worker = getattr(core, "E3C_WORKER", None)
+    if worker is None:
+        worker = core.E3C_WORKER = load_worker(core)
+    return worker
 
-    ``direct``: as the worker's direct path does, plan each step's runs
-    before its rows are read, copy the rows there (``HostOffload.submit_runs``),
-    then check the plan against the runs the positions give.
-    ``shards``: as tensor-parallel ranks sharing the copies do, each rank
-    (its own slicer) attributes every step and writes only its share of the
-    step's rows (``shard_rows``/``clip_run``; staged: from a tensor holding
-    just those rows); the replies go through ``stage_replies``, whose
-    ``fold_shards`` checks the shares."""
+
+def load_worker(core, old=None, new=None):
+    """A copy of :mod:`eagle3_compat.worker` importing ``core`` for its capture
+    core, with ``old`` replaced by ``new`` in its source when given."""
+    import inspect
+    import sys
+    import types
+
+    src = inspect.getsource(worker_mod)
+    assert src.count("from .capture import ") == 1
+    src = src.replace("from .capture import ", f"from {core.__name__} import ")
+    if old is not None:
+        assert src.count(old) == 1, f"worker mutation {old!r} no longer matches"
+        src = src.replace(old, new)
+    mod = types.ModuleType(f"{core.__name__}_worker")
+    mod.__package__ = "eagle3_compat"  # its other relative imports: the real modules
+    sys.modules[mod.__name__] = mod
+    exec(compile(src, mod.__name__, "exec"), mod.__dict__)  # noqa: S102
+    return mod
+
+
+def worker_rank(worker, call, rank, shards, layer_ids, direct):
+    """A worker extension holding what ``e3c_setup`` would set on tensor-parallel
+    rank ``rank`` of ``shards`` (CPU, float32, every layer slot on this stage),
+    armed for ``call`` by its own ``e3c_arm``."""
+    from eagle3_compat.offload import HostOffload
+
+    ext = worker.CaptureWorkerExtension()
+    ext.__dict__.update(
+        _e3c_active=True, _e3c_capturing=rank == 0, _e3c_hooked=True, _e3c_tp_rank=rank, _e3c_tp_size=shards,
+        _e3c_stage=0, _e3c_layer_ids=list(layer_ids), _e3c_slots=list(range(len(layer_ids))), _e3c_debug=False,
+        _e3c_direct=direct, _e3c_offload=HostOffload("cpu"), _e3c_dtype="float32", _e3c_hidden=HIDDEN,
+        _e3c_maps={}, _e3c_pinned={},
+    )
+    ext.e3c_arm(call, direct=direct, shards=[shards])
+    return ext
+
+
+def run_steps(steps, lengths, layer_ids, call, core=None, arena=None, direct=False, shards=1):
+    """Every step through the worker's own code, then the driver's checks.
+
+    Worker side, per tensor-parallel rank (``shards`` of them, each with its
+    own ``_Call`` from ``e3c_arm``, sharing one arena as the ranks share the
+    driver's file): a ``_Step`` per engine step, ``_Call.plan`` before the
+    layers' rows arrive when ``direct`` (the model's forward pre-hook), each
+    layer's rows through ``_Step.capture`` (the layer hook: straight to their
+    planned places, or staged), the positions and token ids as the inputs hook
+    stages them, then ``_Call.process`` (attribution, the plan's check, the
+    staged rows' writes) and ``e3c_take`` for the replies.  Driver side:
+    ``stage_replies`` (each share checked against rank 0's capture),
+    ``merge_stage_captures``, ``check_segments`` and the payload's views.
+    A capture error the worker reports is raised here as the driver raises it."""
+    import copy
+
     from eagle3_compat.offload import HostOffload
 
     core = core or capture
     arena = arena or arena_mod
+    worker = worker_for(core)
     layout = arena.layout_for(lengths, len(layer_ids), HIDDEN, "float32")
     sink = arena.LocalSink(layout, torch.float32, HIDDEN)
-    slicers = [core.StepSlicer(call=call, lengths=lengths) for _ in range(shards)]
-    written = [0] * shards
-    offload = HostOffload("cpu")
+    ranks = [worker_rank(worker, call, r, shards, layer_ids, direct) for r in range(shards)]
+    for r, ext in enumerate(ranks):
+        # one arena for every rank (the driver's file, mapped by each)
+        ext._e3c_call.add(0, [[i, n] for i, n in enumerate(lengths)], sink if r == 0 else copy.copy(sink),
+                          "rpc", direct)
+    slots = list(range(len(layer_ids)))
+    stager = HostOffload("cpu")
     for req_ids, counts, pos, tok, val in steps:
         step_layout = core.StepLayout(tuple(req_ids), tuple(counts))
         layers = rows_for(val, pos, layer_ids)
-        for rank, slicer in enumerate(slicers):
-            lo, hi = core.shard_rows(step_layout.total, rank, shards)
-            planned, copied = None, set()
+        for r, ext in enumerate(ranks):
+            state = ext._e3c_call
+            step = worker._Step(step_layout.total, state)
             if direct:
-                try:
-                    planned = slicer.plan_step(step_layout)
-                except CaptureError:
-                    planned = None  # the staged path reports it
-                for j, h in enumerate(layers):
-                    if planned is not None and h.shape[0] >= step_layout.total:
-                        pairs = []
-                        for seg in planned:
-                            part = core.clip_run(seg, lo, hi)
-                            if part is not None:
-                                src, start, count = part
-                                pairs.append((sink.view(seg.index, j)[start: start + count], h[src: src + count]))
-                        offload.submit_runs(pairs)
-                        copied.add(j)
-            segs = slicer.slice_step(step_layout, pos, tok if rank == 0 else None,
-                                     [h.shape[0] for h in layers])
-            if planned is not None:
-                core.check_plan(slicer.steps - 1, planned, segs)
-            staged = [h[lo:hi] for h in layers]  # what a rank's staging holds
-            for seg in segs:
-                part = core.clip_run(seg, lo, hi)
-                if part is None:
-                    continue
-                src, start, count = part
-                for j, h in enumerate(staged):
-                    if j not in copied:
-                        sink.write(seg.index, j, start, count, h[src - lo: src - lo + count])
-                written[rank] += count * len(layers)
-    replies = [{"stage": 0, "slots": list(range(len(layer_ids))), "transport": "rpc",
-                "segments": [s.to_wire() for s in slicers[0].segments], "steps": slicers[0].steps,
-                "foreign_rows": slicers[0].foreign_rows, "error": None, "dtype": "float32",
-                "hidden_size": HIDDEN, "shards": shards, "rows": written[0]}]
-    replies += [{"stage": 0, "shard": r, "slots": list(range(len(layer_ids))),
-                 "segments": [s.to_wire()[:3] for s in slicers[r].segments], "steps": slicers[r].steps,
-                 "rows": written[r], "error": None} for r in range(1, shards)]
+                state.plan(step, step_layout)
+            for slot, h in enumerate(layers):
+                step.capture(ext._e3c_offload, slot, h, False, HIDDEN, torch.float32)
+            step.positions = stager.submit("positions", torch.tensor(pos, dtype=torch.int64))
+            if r == 0:
+                step.token_ids = stager.submit("token_ids", torch.tensor(tok, dtype=torch.int64))
+            state.process(step, step_layout, slots)
+    replies = [ext.e3c_take(call, 0) for ext in ranks]
     merged = core.merge_stage_captures(core.stage_replies(replies), layer_ids)
     if merged["error"]:
         raise CaptureError(merged["error"])
     prompts = [[token(i, p) for p in range(n)] for i, n in enumerate(lengths)]
     core.check_segments(prompts, merged["segments"], layer_ids)
-    return arena.tensors_from_payload(sink.payload(), layout, "float32", HIDDEN)
+    return arena.tensors_from_payload(replies[0]["payload"], layout, "float32", HIDDEN)
 
 
 def expected(i, n, layer_id):

@@ -1,8 +1,10 @@
 """The core's tests have teeth: every check of the capture core and the arena,
 removed or bent one at a time, is caught by the tests that need no engine.
 
-Each mutant is the real ``eagle3_compat.capture`` or ``eagle3_compat.arena``
-source with one textual change, loaded as a separate module.  The checks
+Each mutant is the real ``eagle3_compat.capture``, ``eagle3_compat.arena``
+or ``eagle3_compat.worker`` source with one textual change, loaded as a
+separate module (the core's tests run the worker's own step code on top of
+the capture core, so a capture mutant reaches them through the worker too).  The checks
 run against it are the ones ``test_capture_core.py`` and ``test_arena.py``
 run against the real modules, where they pass: exact reassembly, every
 single fault refused with its own error (``pytest.raises(CaptureError,
@@ -20,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
 from eagle3_compat import arena, capture
+from eagle3_compat import worker as worker_mod
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.once  # ~1 min of pure logic: the same on every vLLM release
@@ -30,6 +33,7 @@ from test_capture_core import (  # noqa: E402
     core_examples,
     direct_examples,
     faulty,
+    load_worker,
     scenarios,
     shard_examples,
 )
@@ -57,6 +61,14 @@ MUTANTS = {
     "first-layout-reused": (capture, "        total = layout.total\n",
                             '        layout = self.__dict__.setdefault("_stale", layout)\n'
                             "        total = layout.total\n"),
+    # -- worker side: the layer hook's copies and the writes after the step -------------
+    # (a tensor-parallel rank > 0 copies rows lo..hi-1 of the step: the direct
+    # path indexes the layer's whole tensor, the staged path its share)
+    "direct-share-rows-offset": (worker_mod, "h[src : src + count]))", "h[src - lo : src - lo + count]))"),
+    "staged-share-rows-offset": (worker_mod, "rows[slot][src - lo : src - lo + count]", "rows[slot][src : src + count]"),
+    "staged-whole-step-as-share": (worker_mod, "offload.submit(slot, h[lo:hi], owned)", "offload.submit(slot, h, owned)"),
+    "direct-rows-to-first-slot": (worker_mod, "sink.view(local, slot)[start : start + count]",
+                                  "sink.view(local, 0)[start : start + count]"),
     # -- the wire: what the driver is told ----------------------------------------
     "token-ids-not-sent": (capture, "None if self.token_ids is None else list(self.token_ids)]", "None]"),
     # -- driver side: the coverage check ------------------------------------------
@@ -126,20 +138,30 @@ MUTANTS = {
 }
 
 
-def mutant(name: str) -> tuple[types.ModuleType, types.ModuleType]:
-    """(capture module, arena module) with mutation ``name`` applied to one of them."""
-    module, old, new = MUTANTS[name]
-    src = inspect.getsource(module)
-    assert src.count(old) == 1, f"mutation {name!r} no longer matches {module.__name__}"
+def _load(module: types.ModuleType, name: str, code: str) -> types.ModuleType:
     mod = types.ModuleType(f"{module.__name__}_mutant_{name.replace('-', '_')}")
     sys.modules[mod.__name__] = mod  # dataclasses look their module up
-    code = src.replace(old, new)
     if module is capture:  # the mutant must raise the real CaptureError (pytest.raises checks its class)
         code = code.replace("class CaptureError(RuntimeError):", "class _Unused(RuntimeError):")
         mod.__dict__["CaptureError"] = capture.CaptureError
     if module is arena:  # the arena must raise the real core's CaptureError
         code = code.replace("from .capture import CaptureError", "from eagle3_compat.capture import CaptureError")
     exec(compile(code, mod.__name__, "exec"), mod.__dict__)  # noqa: S102
+    return mod
+
+
+def mutant(name: str) -> tuple[types.ModuleType, types.ModuleType]:
+    """(capture module, arena module) with mutation ``name`` applied to one of
+    them; a worker mutation goes on an unchanged copy of the capture module
+    (``test_capture_core.worker_for`` runs the worker that copy carries)."""
+    module, old, new = MUTANTS[name]
+    if module is worker_mod:
+        core = _load(capture, name, inspect.getsource(capture))
+        core.E3C_WORKER = load_worker(core, old, new)
+        return core, arena
+    src = inspect.getsource(module)
+    assert src.count(old) == 1, f"mutation {name!r} no longer matches {module.__name__}"
+    mod = _load(module, name, src.replace(old, new))
     return (mod, arena) if module is capture else (capture, mod)
 
 
