@@ -26,8 +26,10 @@ every 50 ms, minus the tree's level right after the engine started (when
 the first sample file appears, for ``cli``; when the LLM is built, for
 ``prefill``).  The table gives tokens/s, cli/prefill, and the peak extra
 memory of each run, and of that the job's own process alone (the engine's
-processes are vLLM's; plain prefill's grow with the dataset as well); the target is cli/prefill >= 0.95 and the cli's peak
-within 10 % between the small and the large dataset.
+processes are vLLM's; plain prefill's grow with the dataset as well),
+and the peak PSS of the whole tree (engine, KV cache and model included);
+the target is cli/prefill >= 0.95 and the cli's peak within 10 % between
+the small and the large dataset.
 
     python benchmarks/cli_job.py                      # 200 and 2000 samples (RESULTS.md)
     python benchmarks/cli_job.py --samples 600 --modes prefill,cli,cli-driver-threads2,cli-no-pool
@@ -181,8 +183,8 @@ def main() -> int:
           f"bf16 (dtype auto); default layer ids; prompts median ~60 tokens")
     modes = [m for m in args.modes.split(",") if m != "prefill"]
     print("| samples | tokens | mode | tok/s | /prefill | s after start | /prefill | peak extra MiB "
-          "| of which the job's own process |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| of which the job's own process | peak MiB, whole tree |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         prompts = prompts_all[:n]
         tokens = sum(map(len, prompts))
@@ -225,8 +227,9 @@ def main() -> int:
         for mode in jobs:
             r, m = med[mode], sampled[mode]
             spread = "" if args.repeat == 1 else " (" + ", ".join(f"{x['after_start']:.1f}" for x in timed[mode]) + ")"
-            mem = ("not measured | not measured" if m is None else
-                   f"{(m['peak'] - m['base']) / 2**20:.0f} | {(m['driver_peak'] - m['driver_base']) / 2**20:.0f}")
+            mem = ("not measured | not measured | not measured" if m is None else
+                   f"{(m['peak'] - m['base']) / 2**20:.0f} | {(m['driver_peak'] - m['driver_base']) / 2**20:.0f} "
+                   f"| {m['peak'] / 2**20:.0f}")
             print(f"| {n} | {tokens} | {mode} | {tokens / r['wall']:.0f} | {pre['wall'] / r['wall']:.2f} | "
                   f"{r['after_start']:.1f}{spread} | {pre['after_start'] / r['after_start']:.2f} | {mem} |",
                   flush=True)

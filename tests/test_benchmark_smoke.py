@@ -46,3 +46,16 @@ def test_host_copy_prints_table():
     rows = [ln.split("|")[1].strip() for ln in proc.stdout.splitlines() if ln.startswith("| ") and "GB/s" not in ln]
     assert rows == ["one (torch threads 1)", "one (torch threads 4)", "segments (torch threads 1)",
                     "pool-2 (segments over 2 threads)"], proc.stdout
+
+
+def test_generate_wide_quick_prints_table(vllm_minor):
+    """The wide-model benchmark's compat mode on the real engine; the script
+    checks the results' order and shapes itself."""
+    if vllm_minor != (0, 16):
+        pytest.skip("the benchmark is documented and run in the vllm016 env")
+    script = SCRIPT.parent / "generate_wide.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--modes", "compat"], capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [ln.split("|")[1].strip() for ln in proc.stdout.splitlines() if ln.startswith("| ") and "mode" not in ln]
+    assert rows == ["compat"], proc.stdout
