@@ -84,11 +84,13 @@ def prefill_child(model: str, prompts_file: str) -> None:
     """Plain vLLM; touches ``<prompts_file>.ready`` once the engine is up."""
     from vllm import LLM, SamplingParams
 
+    from eagle3_compat.cpu_attention import engine_kwargs  # the generator's block size on this CPU build
+
     prompts = json.loads(Path(prompts_file).read_text())
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype="auto", enforce_eager=True, compilation_config=0,
               max_model_len=MAX_MODEL_LEN, max_num_seqs=32, max_num_batched_tokens=8192,
-              enable_prefix_caching=False, seed=0)
+              enable_prefix_caching=False, seed=0, **engine_kwargs(None, model))
     Path(prompts_file + ".ready").touch()
     llm.generate([{"prompt_token_ids": p} for p in prompts],
                  SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)

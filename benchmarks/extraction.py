@@ -168,9 +168,12 @@ def child(mode: str, model: str, tp: int, prompts_file: str, calls: int, layer_i
     if mode == "prefill":
         from vllm import LLM, SamplingParams
 
+        from eagle3_compat.cpu_attention import engine_kwargs  # the generator's block size on this CPU build
+
         llm = LLM(model=model, dtype="auto", enforce_eager=True, compilation_config=0,
                   max_model_len=MAX_MODEL_LEN, tensor_parallel_size=tp, max_num_seqs=MAX_NUM_SEQS,
-                  max_num_batched_tokens=max(8192, MAX_MODEL_LEN), enable_prefix_caching=False, seed=0)
+                  max_num_batched_tokens=max(8192, MAX_MODEL_LEN), enable_prefix_caching=False, seed=0,
+                  **engine_kwargs(None, model))
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
         def run(batch):

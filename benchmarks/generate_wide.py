@@ -59,9 +59,11 @@ def child(mode: str, model: str, prompts_file: str, layers: int, dtype: str, rep
     if mode == "prefill":
         from vllm import LLM, SamplingParams
 
+        from eagle3_compat.cpu_attention import engine_kwargs  # the generator's block size on this CPU build
+
         llm = LLM(model=model, dtype=dtype, enforce_eager=True, compilation_config=0,
                   max_model_len=MAX_MODEL_LEN, max_num_seqs=32, max_num_batched_tokens=8192,
-                  enable_prefix_caching=False, seed=0)
+                  enable_prefix_caching=False, seed=0, **engine_kwargs(dtype, model))
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
         def call(batch):

@@ -194,8 +194,15 @@ def generator_init(
         distributed_executor_backend or "vLLM's default",
         opts.get("dtype") or "auto",
     )
-    executor = {} if distributed_executor_backend is None else {
+    extra: dict[str, Any] = {} if distributed_executor_backend is None else {
         "distributed_executor_backend": distributed_executor_backend}
+    from .cpu_attention import engine_block_size  # noqa: PLC0415
+
+    # vLLM's default, except on a CPU build without the AMX attention
+    # kernels vLLM would pick for bfloat16 (eagle3_compat.cpu_attention).
+    self._e3c_block_size = engine_block_size(opts.get("dtype"), config)
+    if self._e3c_block_size is not None:
+        extra["block_size"] = self._e3c_block_size
     self.llm = LLM(
         model=model_path,
         tokenizer=model_path,
@@ -215,7 +222,7 @@ def generator_init(
         enable_prefix_caching=False,
         worker_extension_cls=WORKER_EXTENSION,
         seed=0,
-        **executor,
+        **extra,
     )
     self._e3c_closed = False
     self.vllm_config = self.llm.llm_engine.vllm_config

@@ -538,6 +538,8 @@ class VllmReference:
     def __init__(self, model_path: str | Path, max_len: int, dtype: str = "float32") -> None:
         from vllm import LLM  # noqa: PLC0415
 
+        from .cpu_attention import engine_kwargs  # noqa: PLC0415
+
         # apply_model ships functions to the engine process with pickle; allow
         # it while this reference engine lives (the driver reads it on every
         # call, the engine when it is spawned); close() restores it.
@@ -554,6 +556,7 @@ class VllmReference:
                 max_model_len=max_len + 8,
                 max_num_batched_tokens=max(8192, max_len + 8),
                 seed=0,
+                **engine_kwargs(dtype, str(model_path)),  # as the generator starts on this CPU build
             )
         except BaseException:
             self.close()
