@@ -83,3 +83,19 @@ def test_the_build_s_scheduler_metadata_op_takes_the_probe_s_call(vllm_minor):
         pytest.skip(f"vLLM {vllm_minor}: no CPU attention scheduler-metadata op")
     out = call(64, "vec")
     assert out is not None
+
+
+def test_amx_permission_is_asked_only_for_cpu_models_with_amx_tiles(monkeypatch):
+    """The worker asks for the AMX permission vLLM's AMX attention needs
+    (without it a bfloat16 step dies of SIGILL: vLLM 0.32 on an AMX machine)."""
+    import torch
+
+    from eagle3_compat.cpu_attention import grant_amx
+
+    asked = []
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: asked.append(1) or True, raising=False)
+    for amx in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx, raising=False)
+        asked.clear()
+        assert grant_amx(torch.device("meta")) is False and asked == []  # not a CPU model: nothing asked
+        assert grant_amx("cpu") is amx and asked == ([1] if amx else [])

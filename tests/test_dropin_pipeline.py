@@ -79,7 +79,15 @@ def speculators_preprocessed(model: Path, data: Path, tmp: Path, max_samples: in
     return ds
 
 
-def check_folder(out: Path, model: Path, expected, layers=LAYERS, tol: float = 1e-4,
+# max|ours - HF| / max|HF| in float32.  The CLI's stream batches prompts as
+# they arrive, so the engine's batches (and vLLM's kernels' summation order)
+# vary with the machine's load: on vLLM 0.11 (IPEX kernels) under `tox -p 2`
+# one sample's layer came 1.4e-4 from Hugging Face (below 1e-4 alone).  A row
+# shifted by one or a neighbouring layer is > 0.3 away (findings.md section 1).
+DROPIN_TOL = 5e-4
+
+
+def check_folder(out: Path, model: Path, expected, layers=LAYERS, tol: float = DROPIN_TOL,
                  ours: bool = True) -> list[dict]:
     """Exactly upstream's files, v1 keys, speculators' samples in order, states against HF float32."""
     import torch

@@ -270,7 +270,9 @@ def test_killed_pipeline_stage_worker_is_a_clear_error(tiny_models, two_cores, s
     with pytest.raises(EngineDiedError, match="died|dead"):
         for _ in range(3):  # the death may land between calls or inside one
             g.generate(mixed_prompts(3, 100, seed=23))
-    assert time.monotonic() - t0 < 90
+    # a clear error, not a hang: ~15 s alone; 114 s once under `tox -p 2`
+    # (two suites' engines on 2 cores) on vLLM 0.11
+    assert time.monotonic() - t0 < 240
     deadline = time.monotonic() + 60
     while [p for p in _engine_children() if p.pid not in keep] and time.monotonic() < deadline:
         time.sleep(0.2)

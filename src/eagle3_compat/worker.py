@@ -58,6 +58,7 @@ from typing import Any
 
 from .arena import LocalSink, ShmSink, forget_all, layout_for, probe_seen
 from .capture import CaptureError, Segment, StepLayout, StepSlicer, check_plan, clip_run, shard_rows
+from .cpu_attention import grant_amx
 from .logs import attach_to_vllm_logging, get_logger
 from .offload import HostOffload, Staged
 from .runners import RUNNER_V1, UnknownRunnerError, runner_kind, runner_layout, runner_token_ids
@@ -402,6 +403,9 @@ class CaptureWorkerExtension:
             raise ValueError(f"layer ids {bad} out of range for {n_layers} decoder layers")
 
         param = next(model.parameters())
+        # vLLM's CPU attention runs AMX kernels without asking for the AMX
+        # permission (eagle3_compat.cpu_attention): asked here, before any step.
+        grant_amx(param.device)
         pp = get_pp_group()
         stage, stages = int(pp.rank_in_group), int(pp.world_size)
         owned = _owned_layers(base, layers, stage, stages)
