@@ -61,6 +61,14 @@ def _head_size(config: Any) -> int:
     return int(head)
 
 
+def _amx_tiles() -> bool:
+    """Whether torch sees AMX tiles on this processor (no permission asked)."""
+    import torch  # noqa: PLC0415
+
+    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(supported is not None and supported())
+
+
 def scheduler_metadata_call() -> Callable[[int, str], Any] | None:
     """``call(head_size, isa)``: one call of the build's CPU attention
     scheduler-metadata op for a bfloat16 request of one token, as the
@@ -86,14 +94,9 @@ def scheduler_metadata_call() -> Callable[[int, str], Any] | None:
 def _amx_probe() -> Callable[[int], Any] | None:
     """The build's AMX check for a head size, or ``None`` where vLLM cannot
     choose AMX attention (not its CPU platform, no AMX tiles, no such op)."""
-    import torch  # noqa: PLC0415
     from vllm.platforms import current_platform  # noqa: PLC0415
 
-    if not current_platform.is_cpu():
-        return None
-    amx = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None) or getattr(
-        torch._C._cpu, "_is_amx_tile_supported", None)
-    if amx is None or not amx():
+    if not current_platform.is_cpu() or not _amx_tiles():
         return None
     call = scheduler_metadata_call()
     return None if call is None else (lambda head: call(head, "amx"))
@@ -153,12 +156,8 @@ def grant_amx(device: Any) -> bool:
     without AMX tiles (nothing is asked then)."""
     import torch  # noqa: PLC0415
 
-    if torch.device(device).type != "cpu":
-        return False
-    cpu = getattr(torch, "cpu", None)
-    supported = getattr(cpu, "_is_amx_tile_supported", None)
-    init = getattr(cpu, "_init_amx", None)
-    if supported is None or init is None or not supported():
+    init = getattr(torch.cpu, "_init_amx", None)
+    if torch.device(device).type != "cpu" or init is None or not _amx_tiles():
         return False
     granted = bool(init())
     if not granted:
