@@ -59,3 +59,20 @@ def test_generate_wide_quick_prints_table(vllm_minor):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [ln.split("|")[1].strip() for ln in proc.stdout.splitlines() if ln.startswith("| ") and "mode" not in ln]
     assert rows == ["compat"], proc.stdout
+
+
+def test_engine_heap_quick_reads_the_heap(vllm_minor):
+    """The engine-memory benchmark (plain vLLM in-process) reads real numbers:
+    a row per round, prompts counted, and a heap that malloc_trim did not raise."""
+    if vllm_minor != (0, 16):
+        pytest.skip("the benchmark is documented and run in the vllm016 env")
+    script = SCRIPT.parent / "engine_heap.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in proc.stdout.splitlines()
+            if ln.startswith("| ") and "resident" not in ln]
+    assert [r[0] for r in rows] == ["engine start", "round 1", "round 2", "malloc_trim(0)"], proc.stdout
+    assert [int(r[1]) for r in rows] == [0, 40, 80, 80]
+    resident = [int(r[3]) for r in rows]
+    assert all(m > 500 for m in resident), rows  # the engine, model and KV cache are in this process
+    assert int(rows[-1][4]) <= int(rows[-2][4]), rows

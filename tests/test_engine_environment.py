@@ -17,7 +17,9 @@ variations (each run costs an interpreter and an engine start):
   the engine's ``worker_extension_cls``, imported by name), speculators
   imported before ``apply()``, and ``apply()`` at the top of the user's
   script, so that vLLM's spawned engine process, which re-imports the
-  script, runs it too (checked by a marker each process writes).
+  script, runs it too (checked by a marker each process writes); and
+  ``EAGLE3_COMPAT_CPU_TRIM_MIB=0``, so that the worker trims its heap after
+  every captured step (``eagle3_compat.heap``; counted by the worker).
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ SCRIPT = textwrap.dedent(
         prompts = [[4 + (i * 7 + j) % 390 for j in range(n)] for i, n in enumerate((1, 9, 300, 40))]
         with VllmHiddenStatesGenerator(model, layer_ids=layers, max_model_len=512) as g:
             results = g.generate(prompts)
+            trims = g.llm.collective_rpc("e3c_memory")[0]["heap_trims"]
         worst = compare(results, hf_layer_outputs(model, prompts, layers), prompts, layers, 1e-4)
-        print("RESULT" + json.dumps({"worst": worst}))
+        print("RESULT" + json.dumps({"worst": worst, "trims": trims}))
 
     if __name__ == "__main__":
         main()
@@ -62,13 +65,17 @@ def _run_script(tmp_path, model):
     script.write_text(SCRIPT)
     markers = tmp_path / "markers"
     markers.mkdir()
+    # EAGLE3_COMPAT_CPU_TRIM_MIB=0: the worker trims its heap after every
+    # captured step (eagle3_compat.heap), and the data stay exact.
     env = {**os.environ, "VLLM_PLUGINS": "some_other_plugin", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-           "E3C_MARKERS": str(markers)}
+           "E3C_MARKERS": str(markers), "EAGLE3_COMPAT_CPU_TRIM_MIB": "0"}
     proc = subprocess.run([sys.executable, str(script), str(model)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    assert json.loads(line[len("RESULT"):])["worst"] < 1e-4
+    result = json.loads(line[len("RESULT"):])
+    assert result["worst"] < 1e-4
+    assert result["trims"] >= 1, result  # one per captured step
     # the driver and vLLM's engine-core process (spawned: it re-imports the script)
     applied_in = len(list(markers.iterdir()))
     assert applied_in >= 2, applied_in

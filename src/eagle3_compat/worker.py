@@ -59,6 +59,7 @@ from typing import Any
 from .arena import LocalSink, ShmSink, forget_all, layout_for, probe_seen
 from .capture import CaptureError, Segment, StepLayout, StepSlicer, check_plan, clip_run, shard_rows
 from .cpu_attention import grant_amx
+from .heap import HeapTrimmer
 from .logs import attach_to_vllm_logging, get_logger
 from .offload import HostOffload, Staged
 from .runners import RUNNER_V1, UnknownRunnerError, runner_kind, runner_layout, runner_token_ids
@@ -406,6 +407,9 @@ class CaptureWorkerExtension:
         # vLLM's CPU attention runs AMX kernels without asking for the AMX
         # permission (eagle3_compat.cpu_attention): asked here, before any step.
         grant_amx(param.device)
+        # A CPU worker's heap keeps what the model's steps free and grows with
+        # the steps run (eagle3_compat.heap): trimmed when it has grown.
+        self._e3c_trimmer = HeapTrimmer.for_device(param.device)
         pp = get_pp_group()
         stage, stages = int(pp.rank_in_group), int(pp.world_size)
         owned = _owned_layers(base, layers, stage, stages)
@@ -523,6 +527,8 @@ class CaptureWorkerExtension:
             finally:
                 self._e3c_step = None
             self._e3c_record(scheduler_output, step, call)
+            if self._e3c_trimmer is not None:
+                self._e3c_trimmer.after_step()
             return result
 
         # An instance attribute (this runner only, never the class: other
@@ -881,7 +887,10 @@ class CaptureWorkerExtension:
                 pass
 
         maps = getattr(self, "_e3c_maps", {})
+        trimmer = getattr(self, "_e3c_trimmer", None)
         return {
+            "heap_trims": None if trimmer is None else trimmer.trims,
+            "trim_threshold_bytes": None if trimmer is None else trimmer.threshold_bytes,
             "rss": psutil.Process().memory_info().rss,
             "anon": anon_rss(),
             "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,

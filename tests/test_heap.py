@@ -1,0 +1,104 @@
+"""The CPU worker's heap trimmer (eagle3_compat.heap): pure logic, and glibc's trim for real."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3_compat.heap import DEFAULT_MIB, ENV, HeapTrimmer, resident_bytes, threshold_from_env
+
+MiB = 2**20
+
+
+class FakeProcess:
+    """A resident size the test moves, and a trim that gives back what it is told."""
+
+    def __init__(self, rss: int) -> None:
+        self.rss = rss
+        self.give_back = 0
+        self.calls = 0
+
+    def trim(self) -> None:
+        self.calls += 1
+        self.rss -= self.give_back
+
+
+def test_trims_only_after_growth_by_the_threshold():
+    p = FakeProcess(1000 * MiB)
+    t = HeapTrimmer(256 * MiB, rss=lambda: p.rss, trim=p.trim)
+    assert t.after_step() is False  # the first step sets the level
+    p.rss += 255 * MiB
+    assert t.after_step() is False and p.calls == 0
+    p.rss += 1 * MiB
+    p.give_back = 200 * MiB
+    assert t.after_step() is True and p.calls == 1
+    assert (t.trims, t.released_bytes) == (1, 200 * MiB)
+    # the level is now what the trim left (1056 MiB): 255 more is not enough
+    p.rss += 255 * MiB
+    assert t.after_step() is False and p.calls == 1
+    p.rss += 1 * MiB
+    assert t.after_step() is True and p.calls == 2
+
+
+def test_the_level_follows_memory_down():
+    p = FakeProcess(2000 * MiB)
+    t = HeapTrimmer(100 * MiB, rss=lambda: p.rss, trim=p.trim)
+    t.after_step()
+    p.rss = 1500 * MiB  # an arena unmapped: the worker shrank by itself
+    assert t.after_step() is False
+    p.rss = 1600 * MiB  # 100 above the new level, not 400 below the old
+    assert t.after_step() is True and p.calls == 1
+
+
+def test_zero_trims_after_every_step():
+    p = FakeProcess(1000 * MiB)
+    t = HeapTrimmer(0, rss=lambda: p.rss, trim=p.trim)
+    assert [t.after_step() for _ in range(3)] == [True, True, True] and p.calls == 3
+
+
+@pytest.mark.parametrize("raw,mib", [("", DEFAULT_MIB), ("off", None), ("OFF", None), ("0", 0.0), ("64", 64.0),
+                                     ("0.5", 0.5)])
+def test_threshold_from_env(raw, mib):
+    assert threshold_from_env({ENV: raw} if raw else {}) == mib
+
+
+@pytest.mark.parametrize("raw", ["-1", "lots", "nan"])
+def test_a_bad_setting_names_the_variable(raw):
+    with pytest.raises(ValueError, match=f"{ENV}={raw!r}"):
+        threshold_from_env({ENV: raw})
+
+
+def test_only_cpu_workers_get_a_trimmer():
+    import torch
+
+    assert HeapTrimmer.for_device(torch.device("cpu"), {}).threshold_bytes == int(DEFAULT_MIB * MiB)
+    assert HeapTrimmer.for_device(torch.device("cpu"), {ENV: "off"}) is None
+    assert HeapTrimmer.for_device(torch.device("cuda", 0), {}) is None
+    with pytest.raises(ValueError, match=ENV):
+        HeapTrimmer.for_device(torch.device("cpu"), {ENV: "x"})
+
+
+def test_glibc_trim_returns_freed_heap_pages():
+    """The real trim and resident size: chunks freed below a live one stay
+    resident (glibc only gives back the top of its heap by itself) until the trim."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallopt(-3, 32 * MiB)  # M_MMAP_THRESHOLD (fixed): these chunks come from the heap, not mmap
+    try:
+        chunks = [libc.malloc(64 * 1024) for _ in range(1600)]  # 100 MiB
+        for c in chunks:
+            ctypes.memset(c, 1, 64 * 1024)
+        keep = libc.malloc(96 * 1024 + 8)  # a size no bin holds: from the top, pinning it above them
+        for c in chunks:
+            libc.free(c)
+        t = HeapTrimmer(0)
+        before = resident_bytes()
+        assert t.after_step() is True
+        assert before - resident_bytes() > 80 * MiB, (before, resident_bytes())
+        assert t.released_bytes > 80 * MiB
+        libc.free(keep)
+    finally:
+        libc.mallopt(-3, 128 * 1024)
