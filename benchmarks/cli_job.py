@@ -99,13 +99,19 @@ def prefill_child(model: str, prompts_file: str) -> None:
     print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
 
 
-def run(cmd: list[str], ready, env: dict, memory: bool = True) -> dict:
+def run(cmd: list[str], ready, env: dict, memory: bool = True, log: Path | None = None) -> dict:
     """Run ``cmd``; ``ready()`` says when the engine is up (memory base).
 
     ``memory=False``: only the moment the engine is up is watched, no PSS
     sampling (it reads every process's page tables, a core's worth of work
-    on this 2-core machine): the timed runs."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    on this 2-core machine): the timed runs. ``log``: the child's stderr
+    goes there (else nowhere)."""
+    err = log.open("w") if log is not None else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    finally:
+        if log is not None:
+            err.close()
     base, peak, t_ready = [None], [0], [None]
     root = [None, 0]  # the job's own process (the driver): PSS at engine start, peak
     stop = threading.Event()
@@ -155,6 +161,8 @@ def main() -> int:
                     help="e.g. 0: vLLM's OpenMP threads on these cores (VLLM_CPU_OMP_THREADS_BIND) and the "
                          "rest of every process on the others (taskset), in every mode; stands in for a GPU "
                          "node, where the job's own work runs beside the engine, not on its cores")
+    ap.add_argument("--log-dir", type=Path, default=None,
+                    help="keep each run's stderr there (<samples>-<mode>-<run>.log); e.g. with EAGLE3_COMPAT_DEBUG=1")
     ap.add_argument("--modes", default="prefill,cli", help=f"prefill and any of {sorted(CLI_MODES)}")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -207,12 +215,19 @@ def main() -> int:
                            "--no-trainer-checks", *extra_args],
                           lambda out=out: any(out.glob("data_*.pt")), menv, out)
 
+        runs: dict[str, int] = {}
+
         def once(mode, memory):
             cmd, ready, menv, out = jobs[mode]
             if out is not None and out.exists():
                 shutil.rmtree(out)
             Path(str(pfile) + ".ready").unlink(missing_ok=True)
-            r = run(cmd, ready, menv, memory)
+            log = None
+            if args.log_dir is not None:
+                args.log_dir.mkdir(parents=True, exist_ok=True)
+                runs[mode] = runs.get(mode, 0) + 1
+                log = args.log_dir / f"{n}-{mode}-{runs[mode]}.log"
+            r = run(cmd, ready, menv, memory, log)
             if out is not None:
                 written = len(list(out.glob("data_*.pt")))
                 assert written == n, (written, n)

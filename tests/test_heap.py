@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_compat.heap import DEFAULT_MIB, ENV, HeapTrimmer, resident_bytes, threshold_from_env
+from eagle3_compat.heap import (
+    DEFAULT_INTERVAL_S,
+    DEFAULT_MIB,
+    ENV,
+    INTERVAL_ENV,
+    HeapTrimmer,
+    interval_from_env,
+    threshold_from_env,
+)
 
 MiB = 2**20
 
@@ -55,6 +63,38 @@ def test_zero_trims_after_every_step():
     assert [t.after_step() for _ in range(3)] == [True, True, True] and p.calls == 3
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_at_most_one_trim_per_interval():
+    """The interval counts from the first step, then from each trim; growth
+    alone does not trim inside it (a trim also returns the per-step buffers'
+    free pages, which the next steps fault in again)."""
+    p, clock = FakeProcess(1000 * MiB), Clock()
+    t = HeapTrimmer(100 * MiB, 30.0, rss=lambda: p.rss, trim=p.trim, clock=clock)
+    t.after_step()
+    p.rss += 500 * MiB
+    clock.now += 29.9
+    assert t.after_step() is False and p.calls == 0  # grown, but too soon
+    clock.now += 0.1
+    p.give_back = 450 * MiB
+    assert t.after_step() is True and p.calls == 1 and p.rss == 1050 * MiB
+    p.rss += 300 * MiB
+    clock.now += 10
+    assert t.after_step() is False  # 10 s after the trim
+    clock.now += 20
+    assert t.after_step() is True and p.calls == 2
+    # past the interval, still only on growth by the threshold
+    clock.now += 100
+    p.rss += 99 * MiB
+    assert t.after_step() is False and p.calls == 2
+
+
 @pytest.mark.parametrize("raw,mib", [("", DEFAULT_MIB), ("off", None), ("OFF", None), ("0", 0.0), ("64", 64.0),
                                      ("0.5", 0.5)])
 def test_threshold_from_env(raw, mib):
@@ -67,10 +107,29 @@ def test_a_bad_setting_names_the_variable(raw):
         threshold_from_env({ENV: raw})
 
 
+@pytest.mark.parametrize("raw,seconds", [("", None), ("0", 0.0), ("2.5", 2.5), ("600", 600.0)])
+def test_interval_from_env(raw, seconds):
+    assert interval_from_env({INTERVAL_ENV: raw} if raw else {}) == seconds
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "nan", "inf", "off"])
+def test_a_bad_interval_names_the_variable(raw):
+    with pytest.raises(ValueError, match=f"{INTERVAL_ENV}={raw!r}"):
+        interval_from_env({INTERVAL_ENV: raw})
+
+
 def test_only_cpu_workers_get_a_trimmer():
     import torch
 
-    assert HeapTrimmer.for_device(torch.device("cpu"), {}).threshold_bytes == int(DEFAULT_MIB * MiB)
+    cpu = torch.device("cpu")
+    default = HeapTrimmer.for_device(cpu, {})
+    assert (default.threshold_bytes, default.min_interval_s) == (int(DEFAULT_MIB * MiB), DEFAULT_INTERVAL_S)
+    # 0 MiB: after every captured step, so no interval unless one is set
+    assert HeapTrimmer.for_device(cpu, {ENV: "0"}).min_interval_s == 0.0
+    assert HeapTrimmer.for_device(cpu, {ENV: "0", INTERVAL_ENV: "5"}).min_interval_s == 5.0
+    assert HeapTrimmer.for_device(cpu, {INTERVAL_ENV: "0"}).min_interval_s == 0.0
+    with pytest.raises(ValueError, match=INTERVAL_ENV):
+        HeapTrimmer.for_device(cpu, {INTERVAL_ENV: "x"})
     assert HeapTrimmer.for_device(torch.device("cpu"), {ENV: "off"}) is None
     assert HeapTrimmer.for_device(torch.device("cuda", 0), {}) is None
     with pytest.raises(ValueError, match=ENV):
