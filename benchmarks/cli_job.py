@@ -10,13 +10,17 @@ a prefix of the larger), in fresh processes:
 ``cli``
     ``eagle3-compat generate`` on a JSONL file of the same prompts, writing
     one file per sample (the streaming job);
-``cli-driver-threads2``, ``cli-no-pool``, ``cli-in-flight-64``, ``cli-no-trim``
+``cli-driver-threads2``, ``cli-no-pool``, ``cli-in-flight-64``, ``cli-no-trim``,
+``cli-trim-every-step``, ``cli-trim-256``, ``cli-interval-30``
     the same with one change undone, for before/after figures in one run:
     torch's default threads in the CLI's own process
     (``EAGLE3_COMPAT_DRIVER_THREADS=2``), a new shared-memory file per
     sample (``EAGLE3_COMPAT_ARENA_POOL_BYTES=0``), the earlier default of
     ``--max-in-flight`` (64, two engine steps' worth), the CPU worker's heap
-    never trimmed (``EAGLE3_COMPAT_CPU_TRIM_MIB=off``).
+    never trimmed (``EAGLE3_COMPAT_CPU_TRIM_MIB=off``); or the trim's
+    settings changed: after every step (``=0``), at 256 MiB of growth over
+    the working set (``=256``), at most once per 30 s
+    (``EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S=30``).
 
 Both times include the engine's start (the CLI cannot be timed otherwise);
 "s after start" is the time from that moment to the end (the engine's
@@ -62,6 +66,9 @@ CLI_MODES: dict[str, tuple[dict[str, str], list[str]]] = {
     "cli-no-pool": ({"EAGLE3_COMPAT_ARENA_POOL_BYTES": "0"}, []),  # before: a new file per sample
     "cli-in-flight-64": ({}, ["--max-in-flight", "64"]),  # before: the default was 64
     "cli-no-trim": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "off"}, []),  # before: the worker's heap never trimmed
+    "cli-trim-every-step": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "0"}, []),  # a trim after every step
+    "cli-trim-256": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "256"}, []),  # before: 256 MiB over the working set
+    "cli-interval-30": ({"EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S": "30"}, []),  # at most one trim per 30 s
 }
 
 

@@ -149,8 +149,9 @@ def test_worker_memory_returns_to_level(gen):
     after = gen.llm.collective_rpc("e3c_memory")[0]
     driver_after, pool_after = anon_rss(), gen._e3c_pool.stats()
     assert before["call_open"] is False and after["call_open"] is False
-    # a CPU worker trims its heap when it has grown by 256 MiB (eagle3_compat.heap)
-    assert after["trim_threshold_bytes"] == 256 * 2**20 and after["trim_interval_s"] == 30.0, after
+    # a CPU worker trims its heap when it has grown by 64 MiB beyond its
+    # per-step working set (eagle3_compat.heap), with no interval by default
+    assert after["trim_threshold_bytes"] == 64 * 2**20 and after["trim_interval_s"] == 0.0, after
     # The arena files: a file of the pool took every call, in the driver and
     # in the worker (nothing new made, mapped or kept).
     assert pool_after == pool_before and pool_after["free_files"] >= 1, (pool_before, pool_after)

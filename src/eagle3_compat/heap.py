@@ -12,18 +12,19 @@ A streaming job's memory would then depend on the dataset's length.
 
 :class:`HeapTrimmer` runs after each captured step of a CPU worker: it
 reads the process's resident size (one read of ``/proc/self/statm``) and
-calls ``malloc_trim(0)`` only when that has grown by the threshold since
-its last trim, and at most once per interval.  A trim's cost is mostly
-after it: it also returns the pages of the model's per-step buffers that
-are free between steps, and the next steps fault them in again (at hidden
-2048, ~350 MiB a step here: trimming whenever 256 MiB had grown trimmed at
-nearly every step and cost the CLI job ~4 % of its speed).  The interval
-bounds that cost; the memory held stays bounded by the threshold plus what
-grows in one interval.  ``EAGLE3_COMPAT_CPU_TRIM_MIB`` sets the threshold
-in MiB (default 256; ``0``: after every captured step; ``off``: never),
-``EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S`` the interval (default 30 s; 0 with a
-threshold of 0).  Not used on CUDA workers, whose model buffers are device
-memory.  Nothing here imports vLLM or torch.
+calls ``malloc_trim(0)`` only when that has grown by the threshold beyond
+the per-step working set.  A trim also returns the free pages of the
+model's per-step buffers, which the next step faults in again (at hidden
+2048, ~350 MiB a step here): that re-growth, measured at the step after
+each trim, is the working set, and it does not count as growth.  Without
+it a threshold below the working set trimmed at nearly every step and cost
+the CLI job ~4 % of its speed.  The memory held stays within the level
+after the last trim plus the working set plus the threshold.
+``EAGLE3_COMPAT_CPU_TRIM_MIB`` sets the threshold in MiB (default 64;
+``0``: after every captured step; ``off``: never),
+``EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S`` an optional least time between two
+trims (default 0).  Not used on CUDA workers, whose model buffers are
+device memory.  Nothing here imports vLLM or torch.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from .logs import get_logger
 log = get_logger(__name__)
 
 ENV = "EAGLE3_COMPAT_CPU_TRIM_MIB"
-DEFAULT_MIB = 256.0
+DEFAULT_MIB = 64.0
 INTERVAL_ENV = "EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S"
-DEFAULT_INTERVAL_S = 30.0
+DEFAULT_INTERVAL_S = 0.0
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -60,6 +61,21 @@ def _glibc_trim() -> Callable[[], object] | None:
     return lambda: fn(0)
 
 
+def _number_from_env(name: str, unit: str, environ: dict[str, str] | None, off: bool) -> float | None:
+    """The finite number >= 0 in ``name`` (``None``: unset, or ``off`` where
+    ``off`` is allowed); a ValueError naming the variable otherwise."""
+    raw = (os.environ if environ is None else environ).get(name, "").strip()
+    if not raw or (off and raw.lower() in ("off", "none", "no", "false")):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):  # also NaN
+        raise ValueError(f"{name}={raw!r}: expected a number of {unit} >= 0" + (", or 'off'" if off else ""))
+    return value
+
+
 def threshold_from_env(environ: dict[str, str] | None = None) -> float | None:
     """The threshold in MiB (``None``: off), from :data:`ENV`.
 
@@ -68,17 +84,7 @@ def threshold_from_env(environ: dict[str, str] | None = None) -> float | None:
             number >= 0; the message names the variable and the value.
     """
     raw = (os.environ if environ is None else environ).get(ENV, "").strip()
-    if not raw:
-        return DEFAULT_MIB
-    if raw.lower() in ("off", "none", "no", "false"):
-        return None
-    try:
-        mib = float(raw)
-    except ValueError:
-        mib = -1.0
-    if not mib >= 0:  # also NaN
-        raise ValueError(f"{ENV}={raw!r}: expected a number of MiB >= 0, or 'off'")
-    return mib
+    return DEFAULT_MIB if not raw else _number_from_env(ENV, "MiB", environ, off=True)
 
 
 def interval_from_env(environ: dict[str, str] | None = None) -> float | None:
@@ -89,22 +95,21 @@ def interval_from_env(environ: dict[str, str] | None = None) -> float | None:
         ValueError: the variable is set to something other than a number of
             seconds >= 0; the message names the variable and the value.
     """
-    raw = (os.environ if environ is None else environ).get(INTERVAL_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not (seconds >= 0 and math.isfinite(seconds)):
-        raise ValueError(f"{INTERVAL_ENV}={raw!r}: expected a number of seconds >= 0")
-    return seconds
+    return _number_from_env(INTERVAL_ENV, "seconds", environ, off=False)
 
 
 class HeapTrimmer:
-    """Calls ``trim`` after a step when ``rss()`` has grown by ``threshold_bytes``
-    since the last trim (or since the first step) and ``min_interval_s`` have
-    passed since the last trim (or the first step).
+    """Calls ``trim`` after a step when ``rss()`` has grown by the working set
+    plus ``threshold_bytes`` over its level, and ``min_interval_s`` have passed
+    since the last trim (or the first step).
+
+    The level is the resident size at the first step, then what each trim
+    left, and it follows memory down.  The working set is learned: a trim
+    also returns the free pages of the model's per-step buffers, and the step
+    after it faults them in again; the largest such re-growth seen so far is
+    the working set, a cost of every step rather than growth, so it does not
+    count towards the threshold.  Without it a threshold below the working set
+    trims at every step (``threshold_bytes`` 0 does that on purpose).
 
     ``rss``, ``trim`` and ``clock`` are injectable for tests; the defaults
     read ``/proc/self/statm``, call glibc's ``malloc_trim(0)`` and read
@@ -123,10 +128,12 @@ class HeapTrimmer:
         self._rss = rss
         self._trim = trim if trim is not None else _glibc_trim()
         self._clock = clock
-        self._base: int | None = None
+        self._level: int | None = None
+        self._after_trim = False
         self._last = 0.0
         self.trims = 0
         self.released_bytes = 0
+        self.working_set_bytes = 0
 
     @classmethod
     def for_device(cls, device: object, environ: dict[str, str] | None = None) -> HeapTrimmer | None:
@@ -138,33 +145,37 @@ class HeapTrimmer:
         if mib is None:
             return None
         interval = interval_from_env(environ)
-        if interval is None:
-            interval = 0.0 if mib == 0 else DEFAULT_INTERVAL_S
-        trimmer = cls(int(mib * 2**20), interval)
+        trimmer = cls(int(mib * 2**20), DEFAULT_INTERVAL_S if interval is None else interval)
         if trimmer._trim is None:
             return None
         return trimmer
 
     def after_step(self) -> bool:
-        """Trim if the process grew by the threshold and the interval has passed;
-        returns whether it trimmed."""
+        """Trim if the process grew by the working set plus the threshold and
+        the interval has passed; returns whether it trimmed."""
         now = self._rss()
-        if self._base is None:
-            self._last = self._clock()  # the first step: the interval counts from here
-        if self._base is None or now < self._base:
-            self._base = now  # the first step, or memory went back down by itself
+        if self._level is None:
+            self._level, self._last = now, self._clock()  # the first step
             if self.threshold_bytes:
                 return False
-        if now - self._base < self.threshold_bytes:
+        if self._after_trim:  # what the step after a trim faulted in again
+            self._after_trim = False
+            self.working_set_bytes = max(self.working_set_bytes, now - self._level)
+        if now < self._level:
+            self._level = now  # memory went back down by itself
+            if self.threshold_bytes:
+                return False
+        grown = now - self._level
+        if self.threshold_bytes and grown < self.working_set_bytes + self.threshold_bytes:
             return False
         if self.min_interval_s and self._clock() - self._last < self.min_interval_s:
             return False
-        grown = now - self._base
         self._trim()  # type: ignore[misc]
         after = self._rss()
         self._last = self._clock()
         self.trims += 1
         self.released_bytes += max(0, now - after)
-        self._base = after
-        log.debug("malloc_trim after %d MiB of growth: %d -> %d MiB resident", grown >> 20, now >> 20, after >> 20)
+        self._level, self._after_trim = after, True
+        log.debug("malloc_trim after %d MiB of growth (working set %d MiB): %d -> %d MiB resident",
+                  grown >> 20, self.working_set_bytes >> 20, now >> 20, after >> 20)
         return True

@@ -892,6 +892,7 @@ class CaptureWorkerExtension:
             "heap_trims": None if trimmer is None else trimmer.trims,
             "trim_threshold_bytes": None if trimmer is None else trimmer.threshold_bytes,
             "trim_interval_s": None if trimmer is None else trimmer.min_interval_s,
+            "trim_working_set_bytes": None if trimmer is None else trimmer.working_set_bytes,
             "rss": psutil.Process().memory_info().rss,
             "anon": anon_rss(),
             "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
