@@ -11,7 +11,7 @@ a prefix of the larger), in fresh processes:
     ``eagle3-compat generate`` on a JSONL file of the same prompts, writing
     one file per sample (the streaming job);
 ``cli-driver-threads2``, ``cli-no-pool``, ``cli-in-flight-64``, ``cli-no-trim``,
-``cli-trim-every-step``, ``cli-trim-256``, ``cli-interval-30``
+``cli-trim-every-step``, ``cli-trim-256``, ``cli-interval-30``, ``cli-onednn-1024``
     the same with one change undone, for before/after figures in one run:
     torch's default threads in the CLI's own process
     (``EAGLE3_COMPAT_DRIVER_THREADS=2``), a new shared-memory file per
@@ -20,7 +20,9 @@ a prefix of the larger), in fresh processes:
     never trimmed (``EAGLE3_COMPAT_CPU_TRIM_MIB=off``); or the trim's
     settings changed: after every step (``=0``), at 256 MiB of growth over
     the working set (``=256``), at most once per 30 s
-    (``EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S=30``).
+    (``EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S=30``); or oneDNN's primitive cache
+    at its own default of 1024 entries (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``;
+    the generator starts a CPU engine with 64).
 
 Both times include the engine's start (the CLI cannot be timed otherwise);
 "s after start" is the time from that moment to the end (the engine's
@@ -69,6 +71,8 @@ CLI_MODES: dict[str, tuple[dict[str, str], list[str]]] = {
     "cli-trim-every-step": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "0"}, []),  # a trim after every step
     "cli-trim-256": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "256"}, []),  # before: 256 MiB over the working set
     "cli-interval-30": ({"EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S": "30"}, []),  # at most one trim per 30 s
+    # before: oneDNN's own default capacity of its primitive cache (eagle3_compat.heap)
+    "cli-onednn-1024": ({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}, []),
 }
 
 
@@ -120,6 +124,7 @@ def run(cmd: list[str], ready, env: dict, memory: bool = True, log: Path | None 
         if log is not None:
             err.close()
     base, peak, t_ready = [None], [0], [None]
+    series: list[tuple[float, int]] = []  # (time, the tree's PSS) after the engine's start
     root = [None, 0]  # the job's own process (the driver): PSS at engine start, peak
     stop = threading.Event()
 
@@ -132,6 +137,8 @@ def run(cmd: list[str], ready, env: dict, memory: bool = True, log: Path | None 
                 t_ready[0] = time.perf_counter()
             peak[0] = max(peak[0], m)
             root[1] = max(root[1], r)
+            if memory and base[0] is not None:
+                series.append((time.perf_counter(), m))
             time.sleep(0.05)
 
     th = threading.Thread(target=watch, daemon=True)
@@ -144,8 +151,16 @@ def run(cmd: list[str], ready, env: dict, memory: bool = True, log: Path | None 
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}): {out[-2000:]}")
     after = wall - (t_ready[0] - t0) if t_ready[0] is not None else float("nan")
+    # the tree's peak over the first and the second half of the time after
+    # the start: equal where memory is bounded, larger in the second half
+    # where it grows with the samples done
+    halves = [0, 0]
+    if series:
+        mid = (series[0][0] + series[-1][0]) / 2
+        for t, m in series:
+            halves[t >= mid] = max(halves[t >= mid], m)
     return {"wall": wall, "after_start": after, "peak": peak[0], "base": base[0] or 0, "out": out,
-            "driver_peak": root[1], "driver_base": root[0] or 0}
+            "driver_peak": root[1], "driver_base": root[0] or 0, "halves": halves}
 
 
 def _cores(spec: str) -> list[int]:
@@ -202,8 +217,8 @@ def main() -> int:
           f"bf16 (dtype auto); default layer ids; prompts median ~60 tokens")
     modes = [m for m in args.modes.split(",") if m != "prefill"]
     print("| samples | tokens | mode | tok/s | /prefill | s after start | /prefill | peak extra MiB "
-          "| of which the job's own process | peak MiB, whole tree |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| of which the job's own process | peak MiB, whole tree | its 1st / 2nd half after start |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         prompts = prompts_all[:n]
         tokens = sum(map(len, prompts))
@@ -253,9 +268,9 @@ def main() -> int:
         for mode in jobs:
             r, m = med[mode], sampled[mode]
             spread = "" if args.repeat == 1 else " (" + ", ".join(f"{x['after_start']:.1f}" for x in timed[mode]) + ")"
-            mem = ("not measured | not measured | not measured" if m is None else
+            mem = ("not measured | not measured | not measured | not measured" if m is None else
                    f"{(m['peak'] - m['base']) / 2**20:.0f} | {(m['driver_peak'] - m['driver_base']) / 2**20:.0f} "
-                   f"| {m['peak'] / 2**20:.0f}")
+                   f"| {m['peak'] / 2**20:.0f} | {m['halves'][0] / 2**20:.0f} / {m['halves'][1] / 2**20:.0f}")
             print(f"| {n} | {tokens} | {mode} | {tokens / r['wall']:.0f} | {pre['wall'] / r['wall']:.2f} | "
                   f"{r['after_start']:.1f}{spread} | {pre['after_start'] / r['after_start']:.2f} | {mem} |",
                   flush=True)

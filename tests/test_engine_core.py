@@ -152,6 +152,14 @@ def test_worker_memory_returns_to_level(gen):
     # a CPU worker trims its heap when it has grown by 64 MiB beyond its
     # per-step working set (eagle3_compat.heap), with no interval by default
     assert after["trim_threshold_bytes"] == 64 * 2**20 and after["trim_interval_s"] == 0.0, after
+    # and the engine's processes started with oneDNN's primitive cache capped
+    # (eagle3_compat.heap.engine_environment), which this process did not keep
+    import os
+
+    from eagle3_compat.heap import PRIMITIVE_CACHE_ENV
+
+    assert after["onednn_primitive_cache_capacity"] == "64", after
+    assert PRIMITIVE_CACHE_ENV not in os.environ
     # The arena files: a file of the pool took every call, in the driver and
     # in the worker (nothing new made, mapped or kept).
     assert pool_after == pool_before and pool_after["free_files"] >= 1, (pool_before, pool_after)

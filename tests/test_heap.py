@@ -227,3 +227,25 @@ def test_glibc_trim_returns_freed_heap_pages(no_trim):
         assert dropped < 10 and released < 10, proc.stdout  # the same process without the trim
     else:
         assert dropped > 80 and released > 80, proc.stdout
+
+
+def test_engine_environment_caps_onednn_cache_for_cpu_engines_only_and_restores():
+    from eagle3_compat.heap import PRIMITIVE_CACHE_DEFAULT, PRIMITIVE_CACHE_ENV, engine_environment
+
+    env = {"PATH": "/bin"}
+    with engine_environment(cpu=True, environ=env) as set_:
+        assert set_ == {PRIMITIVE_CACHE_ENV: str(PRIMITIVE_CACHE_DEFAULT)} == {PRIMITIVE_CACHE_ENV: "64"}
+        assert env[PRIMITIVE_CACHE_ENV] == "64"  # what the engine's processes inherit
+    assert env == {"PATH": "/bin"}  # the user's process keeps its own environment
+    with engine_environment(cpu=False, environ=env) as set_:  # CUDA: oneDNN is not the engine's
+        assert set_ == {} and env == {"PATH": "/bin"}
+    env[PRIMITIVE_CACHE_ENV] = "1024"  # the user's choice wins, and stays
+    with engine_environment(cpu=True, environ=env) as set_:
+        assert set_ == {} and env[PRIMITIVE_CACHE_ENV] == "1024"
+    assert env[PRIMITIVE_CACHE_ENV] == "1024"
+    # restored when the engine fails to start, too
+    env = {}
+    with pytest.raises(RuntimeError, match="engine died"), engine_environment(cpu=True, environ=env):
+        assert env[PRIMITIVE_CACHE_ENV] == "64"
+        raise RuntimeError("engine died")
+    assert env == {}

@@ -203,27 +203,34 @@ def generator_init(
     self._e3c_block_size = engine_block_size(opts.get("dtype"), config)
     if self._e3c_block_size is not None:
         extra["block_size"] = self._e3c_block_size
-    self.llm = LLM(
-        model=model_path,
-        tokenizer=model_path,
-        trust_remote_code=True,
-        dtype=opts.get("dtype") or "auto",
-        max_model_len=max_model_len,
-        enforce_eager=True,
-        # No torch.compile: module hooks must run eagerly (the CPU platform
-        # compiles by default even with enforce_eager).
-        compilation_config=0,
-        gpu_memory_utilization=gpu_memory_utilization,
-        tensor_parallel_size=tensor_parallel_size,
-        pipeline_parallel_size=pipeline_parallel_size,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=max(MIN_MAX_BATCHED_TOKENS, max_model_len),
-        # A prefix-cache hit skips the cached rows: they would be missing.
-        enable_prefix_caching=False,
-        worker_extension_cls=WORKER_EXTENSION,
-        seed=0,
-        **extra,
-    )
+    from vllm.platforms import current_platform  # noqa: PLC0415
+
+    from .heap import engine_environment  # noqa: PLC0415
+
+    # A CPU engine's processes start with oneDNN's primitive cache capped
+    # (eagle3_compat.heap): it grows with the distinct step sizes otherwise.
+    with engine_environment(bool(current_platform.is_cpu())):
+        self.llm = LLM(
+            model=model_path,
+            tokenizer=model_path,
+            trust_remote_code=True,
+            dtype=opts.get("dtype") or "auto",
+            max_model_len=max_model_len,
+            enforce_eager=True,
+            # No torch.compile: module hooks must run eagerly (the CPU platform
+            # compiles by default even with enforce_eager).
+            compilation_config=0,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=max(MIN_MAX_BATCHED_TOKENS, max_model_len),
+            # A prefix-cache hit skips the cached rows: they would be missing.
+            enable_prefix_caching=False,
+            worker_extension_cls=WORKER_EXTENSION,
+            seed=0,
+            **extra,
+        )
     self._e3c_closed = False
     self.vllm_config = self.llm.llm_engine.vllm_config
     self.executor = None  # 0.3.0 attribute; the engine owns its executor now

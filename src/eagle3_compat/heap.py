@@ -24,16 +24,31 @@ after the last trim plus the working set plus the threshold.
 ``0``: after every captured step; ``off``: never),
 ``EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S`` an optional least time between two
 trims (default 0).  Not used on CUDA workers, whose model buffers are
-device memory.  Nothing here imports vLLM or torch.
+device memory.
+
+What a trim cannot return is what the worker still holds.  One part of
+it grows with the steps run: oneDNN's primitive cache.  vLLM's CPU linear
+layers (``ops.onednn_mm``) make a oneDNN primitive for each distinct number
+of tokens in a step, and oneDNN keeps up to 1024 of them (its default); a
+prefill job's steps rarely repeat a token count, so the cache gains an
+entry per distinct layer shape (4 for a Llama) a step until it is full,
+some 250 steps in.  Capped at 64 entries the level after the trims at the
+end of a 2000-sample job (hidden 2048, 64 steps) was ~35 MiB lower
+(2469-2474 MiB against 2503-2506, three runs each;
+``benchmarks/cli_job.py``), and it stops growing after ~16 steps.  The generator therefore starts a CPU engine with
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` at :data:`PRIMITIVE_CACHE_DEFAULT`
+unless the user set it (:func:`engine_environment`); vLLM's own cache in
+each layer (32 entries) is left as it is.  Nothing here imports vLLM or torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 
 from .logs import get_logger
 
@@ -43,6 +58,8 @@ ENV = "EAGLE3_COMPAT_CPU_TRIM_MIB"
 DEFAULT_MIB = 64.0
 INTERVAL_ENV = "EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S"
 DEFAULT_INTERVAL_S = 0.0
+PRIMITIVE_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+PRIMITIVE_CACHE_DEFAULT = 64
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -96,6 +113,36 @@ def interval_from_env(environ: dict[str, str] | None = None) -> float | None:
             seconds >= 0; the message names the variable and the value.
     """
     return _number_from_env(INTERVAL_ENV, "seconds", environ, off=False)
+
+
+def engine_variables(cpu: bool, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """The variables a new engine's processes get from :func:`engine_environment`:
+    :data:`PRIMITIVE_CACHE_ENV` at :data:`PRIMITIVE_CACHE_DEFAULT` for an
+    engine on vLLM's CPU platform where ``environ`` (``os.environ``) does not
+    set it; nothing for other platforms or where the user set it."""
+    env = os.environ if environ is None else environ
+    if not cpu or env.get(PRIMITIVE_CACHE_ENV, "").strip():
+        return {}
+    return {PRIMITIVE_CACHE_ENV: str(PRIMITIVE_CACHE_DEFAULT)}
+
+
+@contextlib.contextmanager
+def engine_environment(cpu: bool, environ: MutableMapping[str, str] | None = None) -> Iterator[dict[str, str]]:
+    """While the engine starts: :func:`engine_variables` set in ``environ``
+    (``os.environ``), which vLLM's engine and worker processes inherit when
+    they are started from this one; restored afterwards, so the user's
+    process keeps its own environment.  Yields what it set."""
+    env = os.environ if environ is None else environ
+    updates = engine_variables(cpu, env)
+    for name, value in updates.items():
+        env[name] = value
+        log.debug("starting the CPU engine with %s=%s (set it to choose another capacity)", name, value)
+    try:
+        yield updates
+    finally:
+        for name, value in updates.items():
+            if env.get(name) == value:
+                del env[name]
 
 
 class HeapTrimmer:

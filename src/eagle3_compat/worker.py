@@ -59,7 +59,7 @@ from typing import Any
 from .arena import LocalSink, ShmSink, forget_all, layout_for, probe_seen
 from .capture import CaptureError, Segment, StepLayout, StepSlicer, check_plan, clip_run, shard_rows
 from .cpu_attention import grant_amx
-from .heap import HeapTrimmer
+from .heap import PRIMITIVE_CACHE_ENV, HeapTrimmer
 from .logs import attach_to_vllm_logging, get_logger
 from .offload import HostOffload, Staged
 from .runners import RUNNER_V1, UnknownRunnerError, runner_kind, runner_layout, runner_token_ids
@@ -893,6 +893,8 @@ class CaptureWorkerExtension:
             "trim_threshold_bytes": None if trimmer is None else trimmer.threshold_bytes,
             "trim_interval_s": None if trimmer is None else trimmer.min_interval_s,
             "trim_working_set_bytes": None if trimmer is None else trimmer.working_set_bytes,
+            # what this worker's process started with (eagle3_compat.heap.engine_environment)
+            "onednn_primitive_cache_capacity": os.environ.get(PRIMITIVE_CACHE_ENV),
             "rss": psutil.Process().memory_info().rss,
             "anon": anon_rss(),
             "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
