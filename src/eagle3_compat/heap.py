@@ -35,10 +35,12 @@ entry per distinct layer shape (4 for a Llama) a step until it is full,
 some 250 steps in.  Capped at 64 entries the level after the trims at the
 end of a 2000-sample job (hidden 2048, 64 steps) was ~35 MiB lower
 (2469-2474 MiB against 2503-2506, three runs each;
-``benchmarks/cli_job.py``), and it stops growing after ~16 steps.  The generator therefore starts a CPU engine with
+``benchmarks/cli_job.py``), and it stops growing after ~16 steps.  The
+generator therefore starts a CPU engine with
 ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` at :data:`PRIMITIVE_CACHE_DEFAULT`
 unless the user set it (:func:`engine_environment`); vLLM's own cache in
-each layer (32 entries) is left as it is.  Nothing here imports vLLM or torch.
+each layer (32 entries) is left as it is.  Nothing here imports vLLM or
+torch.
 """
 
 from __future__ import annotations
