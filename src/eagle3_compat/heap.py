@@ -117,25 +117,17 @@ def interval_from_env(environ: dict[str, str] | None = None) -> float | None:
     return _number_from_env(INTERVAL_ENV, "seconds", environ, off=False)
 
 
-def engine_variables(cpu: bool, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """The variables a new engine's processes get from :func:`engine_environment`:
-    :data:`PRIMITIVE_CACHE_ENV` at :data:`PRIMITIVE_CACHE_DEFAULT` for an
-    engine on vLLM's CPU platform where ``environ`` (``os.environ``) does not
-    set it; nothing for other platforms or where the user set it."""
-    env = os.environ if environ is None else environ
-    if not cpu or env.get(PRIMITIVE_CACHE_ENV, "").strip():
-        return {}
-    return {PRIMITIVE_CACHE_ENV: str(PRIMITIVE_CACHE_DEFAULT)}
-
-
 @contextlib.contextmanager
 def engine_environment(cpu: bool, environ: MutableMapping[str, str] | None = None) -> Iterator[dict[str, str]]:
-    """While the engine starts: :func:`engine_variables` set in ``environ``
-    (``os.environ``), which vLLM's engine and worker processes inherit when
+    """While the engine starts: :data:`PRIMITIVE_CACHE_ENV` at
+    :data:`PRIMITIVE_CACHE_DEFAULT` in ``environ`` (``os.environ``) for an
+    engine on vLLM's CPU platform where the user has not set it (nothing for
+    other platforms), which vLLM's engine and worker processes inherit when
     they are started from this one; restored afterwards, so the user's
     process keeps its own environment.  Yields what it set."""
     env = os.environ if environ is None else environ
-    updates = engine_variables(cpu, env)
+    unset = cpu and not env.get(PRIMITIVE_CACHE_ENV, "").strip()
+    updates = {PRIMITIVE_CACHE_ENV: str(PRIMITIVE_CACHE_DEFAULT)} if unset else {}
     for name, value in updates.items():
         env[name] = value
         log.debug("starting the CPU engine with %s=%s (set it to choose another capacity)", name, value)
