@@ -39,6 +39,10 @@ def arena_examples(core=capture, arena=arena_mod, directory=None):
         assert spans[0][0] >= arena.NONCE_BYTES and spans[-1][0] + spans[-1][1] <= layout.total
         assert all(layout.block(i)[0] % arena.PAGE == 0 for i in range(3))
         assert layout.region(2, 1)[1] == 300 * hidden * dtype.itemsize
+        # a block of many pages ends before the next one starts
+        big = arena.layout_for([3000, 5], 2, hidden, name)
+        (o0, n0), (o1, _n1) = big.block(0), big.block(1)
+        assert o1 >= o0 + n0 and n0 > 2 * arena.PAGE, (big.block(0), big.block(1))
         data = [[_random_bits((n, hidden), dtype, 10 * i + j) for j in range(2)] for i, n in enumerate(lengths)]
 
         # the RPC path: a safetensors payload, every tensor back bit for bit

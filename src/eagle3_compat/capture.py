@@ -131,13 +131,17 @@ class StepSlicer:
     ``lengths`` its prompts' token counts (a sequence indexed by prompt, or
     a mapping prompt index -> count that grows as a stream admits prompts);
     requests of other calls (or not made by us) are skipped and counted, so
-    stale rows can never reach a result.  ``segments`` accumulates every
-    run attributed so far.
+    stale rows can never reach a result.
+
+    The slicer keeps no run it has attributed (each step's runs are returned
+    to the caller, who files them by prompt), and :meth:`forget` drops all it
+    knows of a prompt, so a stream's slicer holds only the prompts in flight,
+    however long the stream.  (It used to keep every run with its token ids:
+    ~80 KB per 2048-token prompt on each rank, for the whole stream.)
     """
 
     call: int
     lengths: Sequence[int] | Mapping[int, int]
-    segments: list[Segment] = field(default_factory=list)
     foreign_rows: int = 0
     steps: int = 0
     # prompt index -> the position its next planned run starts at (plan_step)
@@ -251,7 +255,6 @@ class StepSlicer:
                     )
             start = end
         self.steps += 1
-        self.segments.extend(out)
         return out
 
 

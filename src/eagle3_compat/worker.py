@@ -374,6 +374,13 @@ class _Call:
         self.owner.clear()
 
 
+def _call_prompts(state: _Call | None) -> int:
+    """Prompts ``state`` remembers in any of its tables (0 without a call)."""
+    if state is None:
+        return 0
+    return len(set(state.owner) | set(state.slicer.lengths) | set(state.slicer.planned))
+
+
 class CaptureWorkerExtension:
     """Mixed into vLLM's Worker; captures decoder-layer outputs per request."""
 
@@ -871,7 +878,9 @@ class CaptureWorkerExtension:
 
         ``trim`` first asks glibc to return freed heap pages to the system, so
         that the number reflects what is held rather than allocator caching.
-        ``call_open`` says whether this worker still holds an arena of a call.
+        ``call_open`` says whether this worker still holds an arena of a call;
+        ``call_prompts`` how many prompts the armed call or stream still knows
+        (those added and not yet taken: a stream's are the prompts in flight).
         """
         import ctypes  # noqa: PLC0415
         import gc  # noqa: PLC0415
@@ -899,6 +908,7 @@ class CaptureWorkerExtension:
             "anon": anon_rss(),
             "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             "call_open": bool(getattr(self, "_e3c_call", None) and self._e3c_call.groups),
+            "call_prompts": _call_prompts(getattr(self, "_e3c_call", None)),
             "kept_maps": sorted(maps),
             "kept_bytes": sum(len(mm) for mm in maps.values() if not mm.closed),
         }
