@@ -163,6 +163,13 @@ def main() -> int:
                 slicer.lengths[g] = P  # type: ignore[index]  # e3c_add
             layout = StepLayout(tuple(make_request_id(0, g) for g in ids), (P,) * per_step)
             planned = slicer.plan_step(layout)  # the model's forward pre-hook
+            targets = []  # and where each run goes (the worker's _Call.plan)
+            if direct:
+                for seg in planned:
+                    part = clip_run(seg, lo, hi)
+                    if part is not None:
+                        targets.append((sink.rows(place[seg.index])[:, part[1] : part[1] + part[2]],
+                                        part[0], part[2]))
             pos = off.submit("positions", positions)
             layers = []
             x = x0
@@ -171,10 +178,7 @@ def main() -> int:
                 if k in capture_at:  # the layer hook
                     j = capture_at.index(k)
                     if direct:
-                        parts = [(seg.index, clip_run(seg, lo, hi)) for seg in planned]
-                        layers.append(off.submit_runs([
-                            (sink.view(place[g], j)[part[1] : part[1] + part[2]], x[part[0] : part[0] + part[2]])
-                            for g, part in parts if part is not None]))
+                        layers.append(off.submit_runs([(dst[j], x[src : src + n]) for dst, src, n in targets]))
                     else:
                         layers.append(off.submit(j, x[lo:hi]))
 

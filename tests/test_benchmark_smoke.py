@@ -48,6 +48,17 @@ def test_host_copy_prints_table():
                     "pool-2 (segments over 2 threads)"], proc.stdout
 
 
+def test_host_cost_prints_table():
+    """The worker's per-step host time (plain torch, CPU here); the script
+    checks that the copies put every run in its place."""
+    script = SCRIPT.parent / "host_cost.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--tokens", "256", "--hidden", "32",
+                           "--prompt-tokens", "16,64", "--steps", "7"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [ln.split("|")[1:3] for ln in proc.stdout.splitlines() if ln.startswith("| ") and "prompt" not in ln]
+    assert [[a.strip(), b.strip()] for a, b in rows] == [["16", "16"], ["64", "4"]], proc.stdout
+
+
 def test_generate_wide_quick_prints_table(vllm_minor):
     """The wide-model benchmark's compat mode on the real engine; the script
     checks the results' order and shapes itself."""

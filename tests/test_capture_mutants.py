@@ -64,11 +64,11 @@ MUTANTS = {
     # -- worker side: the layer hook's copies and the writes after the step -------------
     # (a tensor-parallel rank > 0 copies rows lo..hi-1 of the step: the direct
     # path indexes the layer's whole tensor, the staged path its share)
-    "direct-share-rows-offset": (worker_mod, "h[src : src + count]))", "h[src - lo : src - lo + count]))"),
+    "direct-share-rows-offset": (worker_mod, "(place[slot], h[src : src + count])",
+                                 "(place[slot], h[src - lo : src - lo + count])"),
     "staged-share-rows-offset": (worker_mod, "rows[slot][src - lo : src - lo + count]", "rows[slot][src : src + count]"),
     "staged-whole-step-as-share": (worker_mod, "offload.submit(slot, h[lo:hi], owned)", "offload.submit(slot, h, owned)"),
-    "direct-rows-to-first-slot": (worker_mod, "sink.view(local, slot)[start : start + count]",
-                                  "sink.view(local, 0)[start : start + count]"),
+    "direct-rows-to-first-slot": (worker_mod, "(place[slot], h[", "(place[0], h["),
     # -- the wire: what the driver is told ----------------------------------------
     "token-ids-not-sent": (capture, "None if self.token_ids is None else list(self.token_ids)]", "None]"),
     # -- driver side: the coverage check ------------------------------------------

@@ -204,7 +204,7 @@ class HostOffload:
             ValueError: a destination's shape or dtype differs from its rows'.
         """
         for dst, tensor in pairs:
-            if tuple(dst.shape) != tuple(tensor.shape) or dst.dtype != tensor.dtype:
+            if dst.shape != tensor.shape or dst.dtype != tensor.dtype:
                 raise ValueError(
                     f"submit_runs: destination {dst.dtype} {tuple(dst.shape)} does not match "
                     f"the rows {tensor.dtype} {tuple(tensor.shape)}"

@@ -187,9 +187,11 @@ class _Step:
 
     ``planned``: the runs of rows the call expects from this step, worked
     out before the model ran (:meth:`_Call.plan`); ``targets``: where each
-    run goes (its group's sink and the prompt's place there) when the
-    layers' rows are copied there directly during the step; ``direct``:
-    the layer slots whose rows were.
+    run of this worker's rows goes when the layers' rows are copied there
+    directly during the step, as ``(place, src, count)``: rows
+    ``src..src+count-1`` of each layer's tensor go to ``place[slot]``, a
+    view of the prompt's block in its group's arena; ``direct``: the layer
+    slots whose rows were.
     """
 
     __slots__ = ("total", "call", "scheduled", "layout", "planned", "targets", "direct",
@@ -205,7 +207,7 @@ class _Step:
         self.scheduled = scheduled  # SchedulerOutput.num_scheduled_tokens
         self.layout: StepLayout | None = None
         self.planned: list[Segment] | None = None
-        self.targets: list[tuple[Any, int, Segment]] | None = None
+        self.targets: list[tuple[Any, int, int]] | None = None
         self.direct: set[int] = set()
         self.layers: dict[int, Staged] = {}
         self.positions: Staged | None = None
@@ -221,12 +223,8 @@ class _Step:
         lo, hi = self.lo, self.hi
         if (targets is not None and h.dim() == 2 and h.shape[0] >= self.total
                 and h.shape[1] == hidden and h.dtype == dtype):
-            pairs = []
-            for sink, local, seg in targets:
-                part = clip_run(seg, lo, hi)
-                if part is not None:
-                    src, start, count = part
-                    pairs.append((sink.view(local, slot)[start : start + count], h[src : src + count]))
+            # the places were worked out once for the step (_Call.plan), not per layer
+            pairs = [(place[slot], h[src : src + count]) for place, src, count in targets]
             try:
                 self.layers[slot] = offload.submit_runs(pairs)
                 self.direct.add(slot)
@@ -318,7 +316,14 @@ class _Call:
         step.planned = planned
         groups = [self.owner[seg.index] for seg in planned]
         if all(g.direct for g in groups):
-            step.targets = [(g.sink, g.local[seg.index], seg) for g, seg in zip(groups, planned)]
+            targets = []
+            for g, seg in zip(groups, planned):
+                part = clip_run(seg, step.lo, step.hi)  # this worker's rows of the run
+                if part is not None:
+                    src, start, count = part
+                    # every layer slot's rows of the run: [slots, count, hidden]
+                    targets.append((g.sink.rows(g.local[seg.index])[:, start : start + count], src, count))
+            step.targets = targets
 
     def process(self, step: _Step, layout: StepLayout, slots: list[int]) -> None:
         """Attribute one step's rows and write them to their arenas (after their copy ended).
@@ -367,18 +372,15 @@ class _Call:
         finally:
             step.release()
 
+    def prompts_known(self) -> int:
+        """Prompts this call remembers in any of its tables (added, not taken)."""
+        return len(set(self.owner) | set(self.slicer.lengths) | set(self.slicer.planned))
+
     def close(self) -> None:
         for group in self.groups.values():
             group.close()
         self.groups.clear()
         self.owner.clear()
-
-
-def _call_prompts(state: _Call | None) -> int:
-    """Prompts ``state`` remembers in any of its tables (0 without a call)."""
-    if state is None:
-        return 0
-    return len(set(state.owner) | set(state.slicer.lengths) | set(state.slicer.planned))
 
 
 class CaptureWorkerExtension:
@@ -897,6 +899,7 @@ class CaptureWorkerExtension:
 
         maps = getattr(self, "_e3c_maps", {})
         trimmer = getattr(self, "_e3c_trimmer", None)
+        state = getattr(self, "_e3c_call", None)
         return {
             "heap_trims": None if trimmer is None else trimmer.trims,
             "trim_threshold_bytes": None if trimmer is None else trimmer.threshold_bytes,
@@ -907,8 +910,8 @@ class CaptureWorkerExtension:
             "rss": psutil.Process().memory_info().rss,
             "anon": anon_rss(),
             "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-            "call_open": bool(getattr(self, "_e3c_call", None) and self._e3c_call.groups),
-            "call_prompts": _call_prompts(getattr(self, "_e3c_call", None)),
+            "call_open": bool(state and state.groups),
+            "call_prompts": state.prompts_known() if state else 0,
             "kept_maps": sorted(maps),
             "kept_bytes": sum(len(mm) for mm in maps.values() if not mm.closed),
         }
