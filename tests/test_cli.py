@@ -41,6 +41,9 @@ def _write_input(path):
     lines[3] = {"input_ids": lines[3], "loss_mask": [0] * 10 + [1] * 67}
     lines[6] = {"conversations": [{"from": "human", "value": "w1 w2 w3"},
                                   {"from": "gpt", "value": "w4 w5 w6 w7"}]}
+    # more prompts, so that the first run cannot finish between the test's
+    # polls: with 8 it wrote all of them within one (~60 samples/s here)
+    lines += [[4 + (i * 7 + j) % 300 for j in range(3 + i % 17)] for i in range(56)]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     return len(lines)
 
