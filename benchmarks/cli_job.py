@@ -48,6 +48,7 @@ Run it inside a test environment (``.tox/vllm016/bin/python``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
@@ -194,6 +195,7 @@ def main() -> int:
     from eagle3_compat.testing import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="e3c-cli-bench-"))
+    atexit.register(shutil.rmtree, work, True)  # the samples written: GBs per run
     model = make_tiny_model(work / "model", "llama", layers=args.layers, hidden=args.hidden)
     sizes = [int(x) for x in args.samples.split(",")]
     rng = random.Random(0)

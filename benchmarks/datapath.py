@@ -50,7 +50,9 @@ Run it inside a test environment (``.tox/vllm016/bin/python``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -236,7 +238,9 @@ def main() -> int:
     from eagle3_compat.generator import collect_results
     from eagle3_compat.testing import make_tiny_model
 
-    model = make_tiny_model(Path(tempfile.mkdtemp()) / "m", "llama")
+    work = Path(tempfile.mkdtemp(prefix="e3c-datapath-"))
+    atexit.register(shutil.rmtree, work, True)
+    model = make_tiny_model(work / "m", "llama")
     llm = LLM(model=str(model), dtype="float32", enforce_eager=True, compilation_config=0,
               max_model_len=1024, worker_extension_cls="datapath.BenchExtension", seed=0)
     llm.collective_rpc("e3c_setup", args=([0], "layer_output"))

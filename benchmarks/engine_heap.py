@@ -28,10 +28,12 @@ heap (the reading would then be wrong).
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import gc
 import os
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -74,6 +76,7 @@ def main() -> int:
     from eagle3_compat.testing import make_tiny_model
 
     work = tempfile.mkdtemp(prefix="e3c-engine-heap-")
+    atexit.register(shutil.rmtree, work, True)
     model = str(make_tiny_model(Path(work) / "model", "llama", layers=args.layers, hidden=args.hidden))
     from vllm import LLM, SamplingParams
 

@@ -35,9 +35,11 @@ captured bytes.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -122,6 +124,7 @@ def main() -> int:
     from eagle3_compat.testing import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="e3c-wide-"))
+    atexit.register(shutil.rmtree, work, True)
     model = make_tiny_model(work / "model", "llama", layers=args.layers, hidden=args.hidden)
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 500) for _ in range(args.tokens)] for _ in range(args.prompts)]

@@ -12,14 +12,15 @@ A streaming job's memory would then depend on the dataset's length.
 
 :class:`HeapTrimmer` runs after each captured step of a CPU worker: it
 reads the process's resident size (one read of ``/proc/self/statm``) and
-calls ``malloc_trim(0)`` only when that has grown by the threshold beyond
-the per-step working set.  A trim also returns the free pages of the
-model's per-step buffers, which the next step faults in again (at hidden
-2048, ~350 MiB a step here): that re-growth, measured at the step after
-each trim, is the working set, and it does not count as growth.  Without
-it a threshold below the working set trimmed at nearly every step and cost
-the CLI job ~4 % of its speed.  The memory held stays within the level
-after the last trim plus the working set plus the threshold.
+calls ``malloc_trim(0)`` only when that has grown by the threshold.  A trim
+also returns the free pages of the model's per-step buffers, which the next
+step faults in again (at hidden 2048, ~100-450 MiB a step here): the level
+growth is counted from is therefore taken at the step after each trim, and
+that re-growth does not count.  Without it a threshold below the working
+set trimmed at nearly every step and cost the CLI job ~4 % of its speed;
+now there is at least one step between two trims.  The memory held stays
+within the level after the last trim, plus the working set faulted in
+again, plus the threshold, plus one step's growth.
 ``EAGLE3_COMPAT_CPU_TRIM_MIB`` sets the threshold in MiB (default 64;
 ``0``: after every captured step; ``off``: never),
 ``EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S`` an optional least time between two
@@ -140,17 +141,23 @@ def engine_environment(cpu: bool, environ: MutableMapping[str, str] | None = Non
 
 
 class HeapTrimmer:
-    """Calls ``trim`` after a step when ``rss()`` has grown by the working set
-    plus ``threshold_bytes`` over its level, and ``min_interval_s`` have passed
+    """Calls ``trim`` after a step when ``rss()`` has grown by
+    ``threshold_bytes`` over its level, and ``min_interval_s`` have passed
     since the last trim (or the first step).
 
-    The level is the resident size at the first step, then what each trim
-    left, and it follows memory down.  The working set is learned: a trim
-    also returns the free pages of the model's per-step buffers, and the step
-    after it faults them in again; the largest such re-growth seen so far is
-    the working set, a cost of every step rather than growth, so it does not
-    count towards the threshold.  Without it a threshold below the working set
-    trims at every step (``threshold_bytes`` 0 does that on purpose).
+    The level is the resident size at the first step, then at the step after
+    each trim, and it follows memory down.  A trim also returns the free pages
+    of the model's per-step buffers, and the step after it faults them in
+    again (the working set): that re-growth is a cost of every step, not
+    growth, so the level is taken after it, and that step never trims.
+    Without that, a threshold below the working set trimmed at every step
+    (``threshold_bytes`` 0 does that on purpose).  What may build up between
+    two trims is then the threshold plus one step's growth, whatever the sizes
+    of the steps; an earlier version counted from the trim itself and allowed
+    the largest re-growth seen so far on top of the threshold, which let the
+    fragments of a long job's ordinary steps build up to that largest working
+    set (the CLI job's whole tree +11-12 % from 200 to 2000 samples, issue
+    #16).  :attr:`working_set_bytes` still reports the largest re-growth.
 
     ``rss``, ``trim`` and ``clock`` are injectable for tests; the defaults
     read ``/proc/self/statm``, call glibc's ``malloc_trim(0)`` and read
@@ -192,22 +199,25 @@ class HeapTrimmer:
         return trimmer
 
     def after_step(self) -> bool:
-        """Trim if the process grew by the working set plus the threshold and
-        the interval has passed; returns whether it trimmed."""
+        """Trim if the process grew by the threshold since the level was set
+        and the interval has passed; returns whether it trimmed."""
         now = self._rss()
         if self._level is None:
             self._level, self._last = now, self._clock()  # the first step
             if self.threshold_bytes:
                 return False
-        if self._after_trim:  # what the step after a trim faulted in again
+        if self._after_trim:  # the working set faulted in again: the new level
             self._after_trim = False
             self.working_set_bytes = max(self.working_set_bytes, now - self._level)
+            self._level = now
+            if self.threshold_bytes:
+                return False
         if now < self._level:
             self._level = now  # memory went back down by itself
             if self.threshold_bytes:
                 return False
         grown = now - self._level
-        if self.threshold_bytes and grown < self.working_set_bytes + self.threshold_bytes:
+        if grown < self.threshold_bytes:
             return False
         if self.min_interval_s and self._clock() - self._last < self.min_interval_s:
             return False
@@ -217,6 +227,6 @@ class HeapTrimmer:
         self.trims += 1
         self.released_bytes += max(0, now - after)
         self._level, self._after_trim = after, True
-        log.debug("malloc_trim after %d MiB of growth (working set %d MiB): %d -> %d MiB resident",
+        log.debug("malloc_trim after %d MiB of growth (largest working set %d MiB): %d -> %d MiB resident",
                   grown >> 20, self.working_set_bytes >> 20, now >> 20, after >> 20)
         return True
