@@ -622,6 +622,14 @@ def core_examples(core=capture, arena=arena_mod):
     (seg,) = s.slice_step(core.StepLayout((mk(0, 0),), (4,)), [0, 1, 2, 3], [5, 6, 7, 8], [4])
     assert (seg.index, seg.src, seg.start, seg.count, seg.token_ids) == (0, 0, 0, 3, (5, 6, 7))
     assert seg.to_wire() == [0, 0, 3, [5, 6, 7]]
+    # inputs other than lists (a tuple, a range, ints of another type such as
+    # numpy's) give the same run, with plain ints on the wire
+    class Int(int):
+        pass
+
+    s = core.StepSlicer(call=0, lengths=[3])
+    (seg,) = s.slice_step(core.StepLayout((mk(0, 0),), (4,)), tuple(map(Int, range(4))), range(5, 9), [4])
+    assert seg.to_wire() == [0, 0, 3, [5, 6, 7]] and type(seg.token_ids[0]) is int
     # a run that starts mid-step, after another request's rows
     s = core.StepSlicer(call=0, lengths=[2, 4])
     segs = s.slice_step(core.StepLayout((mk(0, 1), mk(0, 0)), (2, 2)), [2, 3, 0, 1], [7, 8, 5, 6], [5])
