@@ -628,7 +628,7 @@ def core_examples(core=capture, arena=arena_mod):
         pass
 
     s = core.StepSlicer(call=0, lengths=[3])
-    (seg,) = s.slice_step(core.StepLayout((mk(0, 0),), (4,)), tuple(map(Int, range(4))), range(5, 9), [4])
+    (seg,) = s.slice_step(core.StepLayout((mk(0, 0),), (4,)), range(4), tuple(map(Int, range(5, 9))), [4])
     assert seg.to_wire() == [0, 0, 3, [5, 6, 7]] and type(seg.token_ids[0]) is int
     # a run that starts mid-step, after another request's rows
     s = core.StepSlicer(call=0, lengths=[2, 4])
