@@ -50,9 +50,10 @@ SCRIPT = textwrap.dedent(
         prompts = [[4 + (i * 7 + j) % 390 for j in range(n)] for i, n in enumerate((1, 9, 300, 40))]
         with VllmHiddenStatesGenerator(model, layer_ids=layers, max_model_len=512) as g:
             results = g.generate(prompts)
-            trims = g.llm.collective_rpc("e3c_memory")[0]["heap_trims"]
+            memory = g.llm.collective_rpc("e3c_memory")[0]
         worst = compare(results, hf_layer_outputs(model, prompts, layers), prompts, layers, 1e-4)
-        print("RESULT" + json.dumps({"worst": worst, "trims": trims}))
+        print("RESULT" + json.dumps({"worst": worst, "trims": memory["heap_trims"],
+                                     "trim_seconds": memory["trim_seconds"]}))
 
     if __name__ == "__main__":
         main()
@@ -76,6 +77,7 @@ def _run_script(tmp_path, model):
     result = json.loads(line[len("RESULT"):])
     assert result["worst"] < 1e-4
     assert result["trims"] >= 1, result  # one per captured step
+    assert 0 < result["trim_seconds"] < 60, result  # the time inside those trims
     # the driver and vLLM's engine-core process (spawned: it re-imports the script)
     applied_in = len(list(markers.iterdir()))
     assert applied_in >= 2, applied_in

@@ -183,6 +183,22 @@ def test_at_most_one_trim_per_interval():
     assert t.after_step() is False and p.calls == 2
 
 
+def test_the_time_inside_the_trims_is_counted():
+    """``trim_seconds`` is the time spent in the trim calls only (reported by
+    the worker's ``e3c_memory`` and logged per trim), not the steps'."""
+    p, clock = FakeProcess(1000 * MiB), Clock()
+
+    def slow_trim() -> None:
+        clock.now += 0.25
+        p.trim()
+
+    t = HeapTrimmer(0, rss=lambda: p.rss, trim=slow_trim, clock=clock)
+    for _ in range(3):
+        clock.now += 10  # the step
+        t.after_step()
+    assert t.trims == 3 and t.trim_seconds == pytest.approx(0.75)
+
+
 @pytest.mark.parametrize("raw,mib", [("", DEFAULT_MIB), ("off", None), ("OFF", None), ("0", 0.0), ("64", 64.0),
                                      ("0.5", 0.5)])
 def test_threshold_from_env(raw, mib):

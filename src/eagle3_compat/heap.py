@@ -182,6 +182,9 @@ class HeapTrimmer:
         self.trims = 0
         self.released_bytes = 0
         self.working_set_bytes = 0
+        # time inside the trim calls (the pages they return are faulted in
+        # again during the next step, which this does not see)
+        self.trim_seconds = 0.0
 
     @classmethod
     def for_device(cls, device: object, environ: dict[str, str] | None = None) -> HeapTrimmer | None:
@@ -221,12 +224,15 @@ class HeapTrimmer:
             return False
         if self.min_interval_s and self._clock() - self._last < self.min_interval_s:
             return False
+        began = self._clock()
         self._trim()  # type: ignore[misc]
-        after = self._rss()
         self._last = self._clock()
+        after = self._rss()
+        took = self._last - began
+        self.trim_seconds += took
         self.trims += 1
         self.released_bytes += max(0, now - after)
         self._level, self._after_trim = after, True
-        log.debug("malloc_trim after %d MiB of growth (largest working set %d MiB): %d -> %d MiB resident",
-                  grown >> 20, self.working_set_bytes >> 20, now >> 20, after >> 20)
+        log.debug("malloc_trim after %d MiB of growth (largest working set %d MiB): %d -> %d MiB resident "
+                  "in %.1f ms", grown >> 20, self.working_set_bytes >> 20, now >> 20, after >> 20, took * 1e3)
         return True

@@ -905,6 +905,7 @@ class CaptureWorkerExtension:
             "trim_threshold_bytes": None if trimmer is None else trimmer.threshold_bytes,
             "trim_interval_s": None if trimmer is None else trimmer.min_interval_s,
             "trim_working_set_bytes": None if trimmer is None else trimmer.working_set_bytes,
+            "trim_seconds": None if trimmer is None else trimmer.trim_seconds,
             # what this worker's process started with (eagle3_compat.heap.engine_environment)
             "onednn_primitive_cache_capacity": os.environ.get(PRIMITIVE_CACHE_ENV),
             "rss": psutil.Process().memory_info().rss,
