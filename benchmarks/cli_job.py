@@ -26,22 +26,23 @@ a prefix of the larger), in fresh processes:
 
 Both times include the engine's start (the CLI cannot be timed otherwise);
 "s after start" is the time from that moment to the end (the engine's
-start, the imports and the dataset's reading left out), from a run
-without memory sampling; memory, from a second run of each, is the peak
-proportional set size (PSS) of the process tree, sampled
-every 50 ms, minus the tree's level right after the engine started (when
-the job's ``manifest.json`` appears, for ``cli``: it is written once the
-engine is up, before the first step; when the LLM is built, for
-``prefill``; until 2026-12-04 the ``cli``'s start was its first sample
-file, which left its first engine step out of its time).  The table gives tokens/s, cli/prefill, and the peak extra
-memory of each run, and of that the job's own process alone (the engine's
-processes are vLLM's; plain prefill's grow with the dataset as well),
-and the peak PSS of the whole tree (engine, KV cache and model included),
-and the CPU seconds (user + system) after the start of the job's own
-process and of the engine's processes (median of the timed runs): on a
-machine whose cores the engine's threads fill, what the job's own process
-uses there is taken from the engine; the target is cli/prefill >= 0.95 and the cli's peak within 10 % between
-the small and the large dataset.
+start, the imports and the dataset's reading left out), from a run without
+memory sampling; memory, from a second run of each, is the peak
+proportional set size (PSS) of the process tree, sampled every 50 ms,
+minus the tree's level right after the engine started (when the job's
+``manifest.json`` appears, for ``cli``: it is written once the engine is
+up, before the first step; when the LLM is built, for ``prefill``; until
+2026-12-04 the ``cli``'s start was its first sample file, which left its
+first engine step out of its time). The table gives tokens/s, cli/prefill,
+and the peak extra memory of each run, and of that the job's own process
+alone (the engine's processes are vLLM's; plain prefill's grow with the
+dataset as well), and the peak PSS of the whole tree (engine, KV cache and
+model included), and the CPU seconds (user + system) after the start of
+the job's own process and of the engine's processes (median of the timed
+runs): on a machine whose cores the engine's threads fill, what the job's
+own process uses there is taken from the engine; the target is cli/prefill
+>= 0.95 and the cli's peak within 10 % between the small and the large
+dataset.
 
     python benchmarks/cli_job.py                      # 200 and 2000 samples (RESULTS.md)
     python benchmarks/cli_job.py --samples 600 --modes prefill,cli,cli-driver-threads2,cli-no-pool
