@@ -83,6 +83,15 @@ CLI_MODES: dict[str, tuple[dict[str, str], list[str]]] = {
 }
 
 
+def cli_mode(mode: str) -> tuple[dict[str, str], list[str]]:
+    """A mode of :data:`CLI_MODES`, or ``cli-trim-<MiB>``: the trim's threshold at that size."""
+    if mode in CLI_MODES:
+        return CLI_MODES[mode]
+    if mode.startswith("cli-trim-") and mode[len("cli-trim-"):].isdigit():
+        return {"EAGLE3_COMPAT_CPU_TRIM_MIB": mode[len("cli-trim-"):]}, []
+    raise SystemExit(f"unknown mode {mode!r}: prefill, cli-trim-<MiB> or one of {sorted(CLI_MODES)}")
+
+
 def tree_pss(pid: int, children: bool = True) -> int:
     import psutil
 
@@ -220,7 +229,7 @@ def main() -> int:
                          "node, where the job's own work runs beside the engine, not on its cores")
     ap.add_argument("--log-dir", type=Path, default=None,
                     help="keep each run's stderr there (<samples>-<mode>-<run>.log); e.g. with EAGLE3_COMPAT_DEBUG=1")
-    ap.add_argument("--modes", default="prefill,cli", help=f"prefill and any of {sorted(CLI_MODES)}")
+    ap.add_argument("--modes", default="prefill,cli", help=f"prefill, cli-trim-<MiB> and any of {sorted(CLI_MODES)}")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -267,7 +276,7 @@ def main() -> int:
                             lambda pfile=pfile: Path(str(pfile) + ".ready").exists(), env, None)}
         for mode in modes:
             out = work / f"out-{n}-{mode}"
-            extra_env, extra_args = CLI_MODES[mode]
+            extra_env, extra_args = cli_mode(mode)
             menv = dict(env, **extra_env)
             jobs[mode] = ([*pin, sys.executable, "-m", "eagle3_compat", "generate", "--model", str(model),
                            "--input", str(jfile), "--output", str(out), "--max-model-len", str(MAX_MODEL_LEN),

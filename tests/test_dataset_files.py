@@ -129,6 +129,41 @@ def test_writer_publishes_in_index_order_whatever_the_finishing_order(tmp_path):
     assert names() == ["data_0.pt", "data_1.pt", "data_2.pt"]
 
 
+def test_writer_collections_see_only_what_the_job_made(tmp_path):
+    """The writer's collections (one per GiB saved) would traverse every object
+    of the process: what exists before the job is frozen while it runs and
+    thawed after, also when the job fails; a freeze of the process's own is
+    left as it was."""
+    import gc
+
+    torch = __import__("pytest").importorskip("torch")
+    from eagle3_compat.dataset import _Writer, data_path
+
+    assert gc.get_freeze_count() == 0
+    before = gc.get_freeze_count() + len(gc.get_objects())
+    with _Writer(max_queued=2) as w:
+        assert gc.get_freeze_count() >= before // 2  # the objects of the process, not a handful
+        w.expect(data_path(tmp_path, 0))
+        w.submit(data_path(tmp_path, 0), {"input_ids": torch.tensor([1]), "hidden_states": [torch.zeros(1, 2)],
+                                          "loss_mask": torch.ones(1)})
+    assert gc.get_freeze_count() == 0
+    try:
+        with _Writer(max_queued=2):
+            assert gc.get_freeze_count() > 0
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        theirs = gc.get_freeze_count()
+        with _Writer(max_queued=2):
+            pass
+        assert gc.get_freeze_count() == theirs
+    finally:
+        gc.unfreeze()
+
+
 def test_truncated_file_of_a_killed_upstream_run_is_named(tmp_path):
     """speculators' script saves in place: a run killed mid-write leaves a
     truncated data_{k}.pt, which resuming must not keep silently."""

@@ -806,6 +806,7 @@ def generator_close(self: Any) -> None:
     _discard_arena(self)
     pool = self.__dict__.pop("_e3c_pool", None)
     if pool is not None:
+        log.debug("arena pool at close: %s", pool.stats())
         pool.close()
     if getattr(self, "_e3c_closed", True):
         return
