@@ -405,7 +405,7 @@ class _Writer:
 
     def __enter__(self) -> _Writer:
         # Each collection above would traverse every object of the process
-        # (~0.1 s with vLLM, speculators and a tokenizer loaded: ~0.8 s of a
+        # (0.25-0.29 s with vLLM, speculators and a tokenizer loaded: ~0.8 s of a
         # 2000-sample job's 7 s of CPU here, issue #16).  What exists before
         # the job is frozen (gc.freeze) while it runs, so a collection sees
         # only the objects made since, among them the saves' cycles; thawed
