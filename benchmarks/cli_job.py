@@ -74,6 +74,7 @@ CLI_MODES: dict[str, tuple[dict[str, str], list[str]]] = {
     "cli-driver-threads2": ({"EAGLE3_COMPAT_DRIVER_THREADS": "2"}, []),  # before: torch's default here
     "cli-no-pool": ({"EAGLE3_COMPAT_ARENA_POOL_BYTES": "0"}, []),  # before: a new file per sample
     "cli-in-flight-64": ({}, ["--max-in-flight", "64"]),  # before: the default was 64
+    "cli-crc32": ({}, ["--zip-crc32"]),  # before 2026-12-05: torch.save's zip CRC-32 computed
     "cli-no-trim": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "off"}, []),  # before: the worker's heap never trimmed
     "cli-trim-every-step": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "0"}, []),  # a trim after every step
     "cli-trim-256": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "256"}, []),  # before: 256 MiB over the working set

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 
 import pytest
 
@@ -95,6 +96,9 @@ def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_m
     assert manifest["samples"] == n and manifest["written_this_run"] == n - len(first)
     assert manifest["layer_ids"] == [0, 2, 4, 5] and manifest["capture"] == "layer_output"
     assert manifest["trainer_checks"] is True
+    # written without zip CRC-32s (torch.load and speculators' dataset below never check them)
+    assert manifest["zip_crc32"] is False
+    assert all(r.CRC == 0 for r in zipfile.ZipFile(out / "data_0.pt").infolist())
     config = json.loads((out / "data_config.json").read_text())  # speculators' DataGenerationConfig
     assert config["hidden_states"]["layer_ids"] == [0, 2, 4, 5] and config["data"]["num_samples"] == n
     # resuming into this folder with another convention or other layers: refused

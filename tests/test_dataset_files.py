@@ -164,6 +164,59 @@ def test_writer_collections_see_only_what_the_job_made(tmp_path):
         gc.unfreeze()
 
 
+def test_writer_skips_zip_crc32_unless_asked(tmp_path, monkeypatch):
+    """The job's files carry no zip CRC-32 (torch.load never checks them; they
+    were ~1/3 of the writer's CPU), unless ``--zip-crc32``; torch's
+    process-wide setting is restored after the job, also after a failure."""
+    import zipfile
+
+    torch = __import__("pytest").importorskip("torch")
+    from eagle3_compat import __main__ as cli_main
+    from eagle3_compat.dataset import _Writer, data_path
+
+    def sample():
+        return {"input_ids": torch.arange(3), "hidden_states": [torch.randn(3, 8).to(torch.bfloat16)] * 2,
+                "loss_mask": torch.ones(3, dtype=torch.long)}
+
+    def write(folder, **kw):
+        folder.mkdir()
+        obj = sample()
+        with _Writer(max_queued=2, **kw) as w:
+            w.expect(data_path(folder, 0))
+            w.submit(data_path(folder, 0), obj)
+        back = torch.load(data_path(folder, 0), weights_only=True)
+        assert all(torch.equal(a, b) for a, b in zip(back["hidden_states"], obj["hidden_states"]))
+        return zipfile.ZipFile(data_path(folder, 0))
+
+    get, put = torch.serialization.get_crc32_options, torch.serialization.set_crc32_options
+    assert get() is True
+    records = write(tmp_path / "default").infolist()
+    assert len(records) > 3 and all(r.CRC == 0 for r in records), [(r.filename, r.CRC) for r in records]
+    assert get() is True
+    checked = write(tmp_path / "asked", zip_crc32=True)
+    assert checked.testzip() is None and all(r.CRC != 0 for r in checked.infolist())
+    try:
+        put(False)  # the process's own choice is what comes back
+        write(tmp_path / "asked-in-a-process-without", zip_crc32=True)
+        assert get() is False
+    finally:
+        put(True)
+    try:
+        with _Writer(max_queued=2):
+            assert get() is False
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    assert get() is True
+    # the CLI's flag reaches the job
+    seen = []
+    monkeypatch.setattr("eagle3_compat.dataset.run_generate", lambda **kw: seen.append(kw["zip_crc32"]) or dict.fromkeys(
+        ["samples", "written_this_run", "tokens_this_run", "seconds_this_run"], 0))
+    for extra in ([], ["--zip-crc32"]):
+        cli_main.main(["generate", "--model", "m", "--input", "x.jsonl", "--output", str(tmp_path / "o"), *extra])
+    assert seen == [False, True]
+
+
 def test_truncated_file_of_a_killed_upstream_run_is_named(tmp_path):
     """speculators' script saves in place: a run killed mid-write leaves a
     truncated data_{k}.pt, which resuming must not keep silently."""

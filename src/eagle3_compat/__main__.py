@@ -108,6 +108,7 @@ def _generate(args: argparse.Namespace) -> int:
             replicas=args.replicas,
             ray_address=args.ray_address,
             chunk_size=args.chunk_size,
+            zip_crc32=args.zip_crc32,
         )
     except ValueError as exc:  # bad arguments or folder: the message says what and how to fix it
         print(f"eagle3-compat generate: error: {exc}", file=sys.stderr)
@@ -287,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--capture", default="layer_output", choices=["layer_output", "layer_input"],
                    help="layer_output: speculators 0.3.0 (output of layer k); layer_input: vLLM "
                         "EAGLE-3 serving (input of layer k; with --no-trainer-checks only)")
+    g.add_argument("--zip-crc32", action="store_true",
+                   help="write the CRC-32 of each file's zip records (for tools that test zip archives; "
+                        "torch.load never checks them; ~1.3 s of CPU per GiB written)")
     g.add_argument("--no-trainer-checks", action="store_true",
                    help="the folder is not for speculators 0.3.0's trainer: skip its rules (4 ascending "
                         "layer ids ending at the final layer, layer outputs); recorded in the manifest")

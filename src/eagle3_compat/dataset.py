@@ -357,9 +357,18 @@ class _Writer:
     speculators' own resume (largest index + 1) assumes.  A failed write is
     raised at the next submit or at exit, never dropped; on failure the
     unpublished temporary files are removed.
+
+    ``zip_crc32=False`` (the job's default): while the writer is open,
+    ``torch.save`` in this process writes no CRC-32 of its zip records
+    (``torch.serialization.set_crc32_options``, torch >= 2.7; restored at
+    exit).  ``torch.load`` never checks them (PyTorch builds its zip reader
+    with ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``), and computing them was
+    ~1.3 s of CPU per GiB saved, two thirds of the writer's (issue #16,
+    ``benchmarks/writer_gc.py``); tools that test zip archives (``unzip -t``,
+    Python's ``zipfile``) report such files' CRCs as bad.
     """
 
-    def __init__(self, max_queued: int) -> None:
+    def __init__(self, max_queued: int, zip_crc32: bool = False) -> None:
         from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="e3c-writer")
@@ -369,6 +378,8 @@ class _Writer:
         self._order: deque[Path] = deque()  # submitted, not yet renamed into place (writer thread)
         self._saved: dict[Path, Path] = {}  # final path -> its temporary file (writer thread)
         self._froze = False
+        self._zip_crc32 = zip_crc32
+        self._crc_before: bool | None = None  # torch's setting to restore at exit
 
     def expect(self, path: Path) -> None:
         """Declare the next file in publication order (before its sample arrives)."""
@@ -413,6 +424,12 @@ class _Writer:
         self._froze = gc.get_freeze_count() == 0
         if self._froze:
             gc.freeze()
+        import torch  # noqa: PLC0415
+
+        get = getattr(torch.serialization, "get_crc32_options", None)
+        if get is not None and get() != self._zip_crc32:
+            self._crc_before = get()
+            torch.serialization.set_crc32_options(self._zip_crc32)
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
@@ -425,6 +442,11 @@ class _Writer:
                 tmp.unlink(missing_ok=True)
             if self._froze:
                 gc.unfreeze()
+            if self._crc_before is not None:
+                import torch  # noqa: PLC0415
+
+                torch.serialization.set_crc32_options(self._crc_before)
+                self._crc_before = None
         if exc_type is None and self._order:
             raise RuntimeError(f"internal: {len(self._order)} file(s) expected but never written "
                                f"(first {self._order[0]})")
@@ -530,6 +552,7 @@ def run_generate(
     replicas: int | None = None,
     ray_address: str | None = None,
     chunk_size: int | None = None,
+    zip_crc32: bool = False,
 ) -> dict[str, Any]:
     """Write speculators' training folder; resumable; returns the manifest.
 
@@ -562,6 +585,12 @@ def run_generate(
     files are written by :func:`eagle3_compat.verify.verify_folder`).
     ``replicas``: that many engines as Ray actors (:mod:`eagle3_compat.replicas`;
     ``ray_address`` an existing cluster, ``chunk_size`` samples per work unit).
+
+    ``zip_crc32``: whether the samples' files carry the CRC-32 of their zip
+    records.  Off by default: ``torch.load`` never checks them and they cost
+    ~1.3 s of CPU per GiB written; on for tools that test zip archives.
+    While the job runs the setting holds for every ``torch.save`` of this
+    process (torch's setting is process-wide); it is restored after.
     """
     if max_in_flight is None:
         from .generator import DEFAULT_MAX_IN_FLIGHT  # noqa: PLC0415
@@ -721,7 +750,7 @@ def run_generate(
                        f"extracting (shard {shard_index} of {num_shards})")
         except ImportError:  # pragma: no cover
             bar = None
-        with _Writer(max_queued=max_in_flight) as writer:
+        with _Writer(max_queued=max_in_flight, zip_crc32=zip_crc32) as writer:
             for k, res in engines.stream(prompts(), max_in_flight=max_in_flight):
                 sample = pending.pop(k)
                 _validate(res, sample, layer_ids)
@@ -767,6 +796,7 @@ def run_generate(
         **settings,
         "complete": True,
         "trainer_checks": trainer_checks,
+        "zip_crc32": zip_crc32,
         "layer_convention": CONVENTIONS[capture],
         "samples": counts["owned"],
         "first_index": start_idx,
