@@ -84,13 +84,24 @@ CLI_MODES: dict[str, tuple[dict[str, str], list[str]]] = {
 }
 
 
+# modes that start the job another way than ``python -m eagle3_compat``
+CLI_LAUNCHERS: dict[str, list[str]] = {
+    # before 2026-12-05: main() without cli()'s freeze, so the interpreter's
+    # collections at exit traverse every object of the process
+    "cli-exit-gc": ["-c", "import sys; from eagle3_compat.__main__ import main; sys.exit(main(sys.argv[1:]))"],
+}
+
+
 def cli_mode(mode: str) -> tuple[dict[str, str], list[str]]:
     """A mode of :data:`CLI_MODES`, or ``cli-trim-<MiB>``: the trim's threshold at that size."""
     if mode in CLI_MODES:
         return CLI_MODES[mode]
+    if mode in CLI_LAUNCHERS:
+        return {}, []
     if mode.startswith("cli-trim-") and mode[len("cli-trim-"):].isdigit():
         return {"EAGLE3_COMPAT_CPU_TRIM_MIB": mode[len("cli-trim-"):]}, []
-    raise SystemExit(f"unknown mode {mode!r}: prefill, cli-trim-<MiB> or one of {sorted(CLI_MODES)}")
+    raise SystemExit(f"unknown mode {mode!r}: prefill, cli-trim-<MiB> or one of "
+                     f"{sorted([*CLI_MODES, *CLI_LAUNCHERS])}")
 
 
 def tree_pss(pid: int, children: bool = True) -> int:
@@ -230,7 +241,7 @@ def main() -> int:
                          "node, where the job's own work runs beside the engine, not on its cores")
     ap.add_argument("--log-dir", type=Path, default=None,
                     help="keep each run's stderr there (<samples>-<mode>-<run>.log); e.g. with EAGLE3_COMPAT_DEBUG=1")
-    ap.add_argument("--modes", default="prefill,cli", help=f"prefill, cli-trim-<MiB> and any of {sorted(CLI_MODES)}")
+    ap.add_argument("--modes", default="prefill,cli", help=f"prefill, cli-trim-<MiB> and any of {sorted([*CLI_MODES, *CLI_LAUNCHERS])}")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -279,7 +290,8 @@ def main() -> int:
             out = work / f"out-{n}-{mode}"
             extra_env, extra_args = cli_mode(mode)
             menv = dict(env, **extra_env)
-            jobs[mode] = ([*pin, sys.executable, "-m", "eagle3_compat", "generate", "--model", str(model),
+            launcher = CLI_LAUNCHERS.get(mode, ["-m", "eagle3_compat"])
+            jobs[mode] = ([*pin, sys.executable, *launcher, "generate", "--model", str(model),
                            "--input", str(jfile), "--output", str(out), "--max-model-len", str(MAX_MODEL_LEN),
                            "--no-trainer-checks", *extra_args],
                           # the manifest is written once the engine is up, before the first step
