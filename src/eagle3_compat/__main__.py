@@ -324,7 +324,7 @@ def cli() -> int:
 
     After the command, the process's objects are frozen (``gc.freeze``) so
     that the interpreter's collections at exit skip them: with vLLM,
-    speculators and a tokenizer loaded those took ~1.5 s of the CLI job's
+    speculators and a tokenizer loaded those took ~1.8 s of the CLI job's
     wall and CPU after its last sample (issue #16; 0.27 s left with the
     freeze).  The operating system frees the memory either way, and
     nothing of the project waits for a collection at exit: samples are
