@@ -360,10 +360,11 @@ class _Writer:
 
     ``zip_crc32=False`` (the job's default): while the writer is open,
     ``torch.save`` in this process writes no CRC-32 of its zip records
-    (``torch.serialization.set_crc32_options``, torch >= 2.7; restored at
+    (``torch.serialization.set_crc32_options``: torch 2.8-2.13 of the supported
+    vLLM releases all have it; restored at
     exit).  ``torch.load`` never checks them (PyTorch builds its zip reader
     with ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``), and computing them was
-    ~1.3 s of CPU per GiB saved, two thirds of the writer's (issue #16,
+    ~0.75 s of CPU per GiB saved, a third of the writer's (issue #16,
     ``benchmarks/writer_gc.py``); tools that test zip archives (``unzip -t``,
     Python's ``zipfile``) report such files' CRCs as bad.
     """
@@ -588,7 +589,7 @@ def run_generate(
 
     ``zip_crc32``: whether the samples' files carry the CRC-32 of their zip
     records.  Off by default: ``torch.load`` never checks them and they cost
-    ~1.3 s of CPU per GiB written; on for tools that test zip archives.
+    ~0.75 s of CPU per GiB written; on for tools that test zip archives.
     While the job runs the setting holds for every ``torch.save`` of this
     process (torch's setting is process-wide); it is restored after.
     """
