@@ -360,9 +360,9 @@ class _Writer:
 
     ``zip_crc32=False`` (the job's default): while the writer is open,
     ``torch.save`` in this process writes no CRC-32 of its zip records
-    (``torch.serialization.set_crc32_options``: torch 2.8-2.13 of the supported
-    vLLM releases all have it; restored at
-    exit).  ``torch.load`` never checks them (PyTorch builds its zip reader
+    (``torch.serialization.set_crc32_options``, which torch 2.8-2.13 of the
+    supported vLLM releases all have; restored at exit).  ``torch.load``
+    never checks them (PyTorch builds its zip reader
     with ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``), and computing them was
     ~0.75 s of CPU per GiB saved, a third of the writer's (issue #16,
     ``benchmarks/writer_gc.py``); tools that test zip archives (``unzip -t``,
