@@ -358,11 +358,11 @@ class _Writer:
     raised at the next submit or at exit, never dropped; on failure the
     unpublished temporary files are removed.
 
-    ``zip_crc32=False`` (the job's default): while the writer is open,
-    ``torch.save`` in this process writes no CRC-32 of its zip records
-    (``torch.serialization.set_crc32_options``, which torch 2.8-2.13 of the
-    supported vLLM releases all have; restored at exit).  ``torch.load``
-    never checks them (PyTorch builds its zip reader
+    ``zip_crc32=False`` (the job's default): the writer's ``torch.save``
+    writes no CRC-32 of its zip records (``torch.serialization.set_crc32_options``,
+    which torch 2.8-2.13 of the supported vLLM releases all have, set in the
+    writer's thread: torch 2.13 keeps the setting per thread, 2.8-2.11 hold
+    it for the whole process while the writer is open; restored at exit).  ``torch.load`` never checks them (PyTorch builds its zip reader
     with ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``), and computing them was
     ~0.75 s of CPU per GiB saved, a third of the writer's (issue #16,
     ``benchmarks/writer_gc.py``); tools that test zip archives (``unzip -t``,
@@ -380,7 +380,7 @@ class _Writer:
         self._saved: dict[Path, Path] = {}  # final path -> its temporary file (writer thread)
         self._froze = False
         self._zip_crc32 = zip_crc32
-        self._crc_before: bool | None = None  # torch's setting to restore at exit
+        self._crc_before: bool | None = None  # torch's setting to restore at exit (writer thread)
 
     def expect(self, path: Path) -> None:
         """Declare the next file in publication order (before its sample arrives)."""
@@ -415,6 +415,22 @@ class _Writer:
             self._since_gc = 0
             gc.collect()
 
+    def _crc32_option(self, value: bool | None) -> None:
+        """In the writer's thread: set torch's CRC-32 option to ``value``
+        (remembering what it was), or ``None``: restore it."""
+        import torch  # noqa: PLC0415
+
+        get = getattr(torch.serialization, "get_crc32_options", None)
+        if get is None:
+            return
+        if value is None:
+            if self._crc_before is not None:
+                torch.serialization.set_crc32_options(self._crc_before)
+                self._crc_before = None
+        elif get() != value:
+            self._crc_before = get()
+            torch.serialization.set_crc32_options(value)
+
     def __enter__(self) -> _Writer:
         # Each collection above would traverse every object of the process
         # (0.25-0.29 s with vLLM, speculators and a tokenizer loaded: ~0.8 s of a
@@ -425,12 +441,8 @@ class _Writer:
         self._froze = gc.get_freeze_count() == 0
         if self._froze:
             gc.freeze()
-        import torch  # noqa: PLC0415
-
-        get = getattr(torch.serialization, "get_crc32_options", None)
-        if get is not None and get() != self._zip_crc32:
-            self._crc_before = get()
-            torch.serialization.set_crc32_options(self._zip_crc32)
+        # torch 2.13 keeps the setting per thread: set where the saves run
+        self._pool.submit(self._crc32_option, self._zip_crc32).result()
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
@@ -438,16 +450,12 @@ class _Writer:
             while self._queued:
                 self._queued.popleft().result()
         finally:
+            self._pool.submit(self._crc32_option, None)
             self._pool.shutdown(wait=True)
             for tmp in self._saved.values():  # only after a failure: samples not renamed into place
                 tmp.unlink(missing_ok=True)
             if self._froze:
                 gc.unfreeze()
-            if self._crc_before is not None:
-                import torch  # noqa: PLC0415
-
-                torch.serialization.set_crc32_options(self._crc_before)
-                self._crc_before = None
         if exc_type is None and self._order:
             raise RuntimeError(f"internal: {len(self._order)} file(s) expected but never written "
                                f"(first {self._order[0]})")
@@ -590,8 +598,8 @@ def run_generate(
     ``zip_crc32``: whether the samples' files carry the CRC-32 of their zip
     records.  Off by default: ``torch.load`` never checks them and they cost
     ~0.75 s of CPU per GiB written; on for tools that test zip archives.
-    While the job runs the setting holds for every ``torch.save`` of this
-    process (torch's setting is process-wide); it is restored after.
+    With torch 2.8-2.11 the setting is process-wide: while the job runs it
+    holds for every ``torch.save`` of this process; it is restored after.
     """
     if max_in_flight is None:
         from .generator import DEFAULT_MAX_IN_FLIGHT  # noqa: PLC0415
