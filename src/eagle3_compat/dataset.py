@@ -359,14 +359,17 @@ class _Writer:
     unpublished temporary files are removed.
 
     ``zip_crc32=False`` (the job's default): the writer's ``torch.save``
-    writes no CRC-32 of its zip records (``torch.serialization.set_crc32_options``,
-    which torch 2.8-2.13 of the supported vLLM releases all have, set in the
-    writer's thread: torch 2.13 keeps the setting per thread, 2.8-2.11 hold
-    it for the whole process while the writer is open; restored at exit).  ``torch.load`` never checks them (PyTorch builds its zip reader
-    with ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``), and computing them was
-    ~0.75 s of CPU per GiB saved, a third of the writer's (issue #16,
-    ``benchmarks/writer_gc.py``); tools that test zip archives (``unzip -t``,
-    Python's ``zipfile``) report such files' CRCs as bad.
+    writes no CRC-32 of its zip records.  The setting
+    (``torch.serialization.set_crc32_options``, in torch 2.8-2.13 of the
+    supported vLLM releases) is made in the writer's thread, since torch
+    2.13 keeps it per thread (2.8-2.11 for the whole process, while the
+    writer is open), and restored at exit.  ``torch.load`` never checks
+    them (PyTorch builds its zip reader with
+    ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``), and computing them was
+    ~0.75 s of CPU per GiB saved at hidden 2048, a third of the writer's,
+    and ~80 % of it at hidden 7168 (issue #16, ``benchmarks/writer_gc.py``);
+    tools that test zip archives (``unzip -t``, Python's ``zipfile``)
+    report such files' CRCs as bad.
     """
 
     def __init__(self, max_queued: int, zip_crc32: bool = False) -> None:
@@ -418,18 +421,15 @@ class _Writer:
     def _crc32_option(self, value: bool | None) -> None:
         """In the writer's thread: set torch's CRC-32 option to ``value``
         (remembering what it was), or ``None``: restore it."""
-        import torch  # noqa: PLC0415
+        from torch import serialization  # noqa: PLC0415
 
-        get = getattr(torch.serialization, "get_crc32_options", None)
-        if get is None:
-            return
         if value is None:
             if self._crc_before is not None:
-                torch.serialization.set_crc32_options(self._crc_before)
+                serialization.set_crc32_options(self._crc_before)
                 self._crc_before = None
-        elif get() != value:
-            self._crc_before = get()
-            torch.serialization.set_crc32_options(value)
+        elif serialization.get_crc32_options() != value:
+            self._crc_before = serialization.get_crc32_options()
+            serialization.set_crc32_options(value)
 
     def __enter__(self) -> _Writer:
         # Each collection above would traverse every object of the process
