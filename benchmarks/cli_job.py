@@ -76,6 +76,8 @@ CLI_MODES: dict[str, tuple[dict[str, str], list[str]]] = {
     "cli-in-flight-64": ({}, ["--max-in-flight", "64"]),  # before: the default was 64
     "cli-crc32": ({}, ["--zip-crc32"]),  # before 2026-12-05: torch.save's zip CRC-32 computed
     "cli-no-trim": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "off"}, []),  # before: the worker's heap never trimmed
+    # before 2026-12-05: torch's large CPU buffers on 4 KiB pages (eagle3_compat.heap.engine_environment)
+    "cli-no-thp": ({"THP_MEM_ALLOC_ENABLE": "0"}, []),
     "cli-trim-every-step": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "0"}, []),  # a trim after every step
     "cli-trim-256": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "256"}, []),  # before: 256 MiB over the working set
     "cli-interval-30": ({"EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S": "30"}, []),  # at most one trim per 30 s

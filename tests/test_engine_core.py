@@ -133,6 +133,16 @@ def _shm_names():
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(mine))
 
 
+def _system_thp() -> str | None:
+    """The kernel's transparent huge page setting (the bracketed word), or None."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+            words = f.read().split()
+    except OSError:
+        return None
+    return next((w.strip("[]") for w in words if w.startswith("[")), None)
+
+
 def test_worker_memory_returns_to_level(gen):
     import psutil
 
@@ -156,10 +166,16 @@ def test_worker_memory_returns_to_level(gen):
     # (eagle3_compat.heap.engine_environment), which this process did not keep
     import os
 
-    from eagle3_compat.heap import PRIMITIVE_CACHE_ENV
+    from eagle3_compat.heap import PRIMITIVE_CACHE_ENV, THP_ENV
 
     assert after["onednn_primitive_cache_capacity"] == "64", after
     assert PRIMITIVE_CACHE_ENV not in os.environ
+    # and with PyTorch's large CPU buffers on transparent huge pages, which
+    # the worker's steps then use where the system allows them (its THP
+    # setting "always" or "madvise"): each fault after a trim brings 2 MiB
+    assert after["thp_mem_alloc_enable"] == "1" and THP_ENV not in os.environ, after
+    if _system_thp() in ("always", "madvise"):
+        assert after["anon_huge"] >= 2 * 2**20, after
     # The arena files: a file of the pool took every call, in the driver and
     # in the worker (nothing new made, mapped or kept).
     assert pool_after == pool_before and pool_after["free_files"] >= 1, (pool_before, pool_after)

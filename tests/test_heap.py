@@ -281,23 +281,30 @@ def test_glibc_trim_returns_freed_heap_pages(no_trim):
         assert dropped > 80 and released > 80, proc.stdout
 
 
-def test_engine_environment_caps_onednn_cache_for_cpu_engines_only_and_restores():
-    from eagle3_compat.heap import PRIMITIVE_CACHE_DEFAULT, PRIMITIVE_CACHE_ENV, engine_environment
+def test_engine_environment_sets_cpu_engine_defaults_only_and_restores():
+    from eagle3_compat.heap import PRIMITIVE_CACHE_DEFAULT, PRIMITIVE_CACHE_ENV, THP_ENV, engine_environment
 
+    assert THP_ENV == "THP_MEM_ALLOC_ENABLE"  # the name PyTorch's CPU allocator reads
     env = {"PATH": "/bin"}
     with engine_environment(cpu=True, environ=env) as set_:
-        assert set_ == {PRIMITIVE_CACHE_ENV: str(PRIMITIVE_CACHE_DEFAULT)} == {PRIMITIVE_CACHE_ENV: "64"}
-        assert env[PRIMITIVE_CACHE_ENV] == "64"  # what the engine's processes inherit
+        assert set_ == {PRIMITIVE_CACHE_ENV: str(PRIMITIVE_CACHE_DEFAULT), THP_ENV: "1"}
+        assert set_ == {PRIMITIVE_CACHE_ENV: "64", THP_ENV: "1"}
+        assert env[PRIMITIVE_CACHE_ENV] == "64" and env[THP_ENV] == "1"  # what the engine's processes inherit
     assert env == {"PATH": "/bin"}  # the user's process keeps its own environment
-    with engine_environment(cpu=False, environ=env) as set_:  # CUDA: oneDNN is not the engine's
+    with engine_environment(cpu=False, environ=env) as set_:  # CUDA: neither is the engine's
         assert set_ == {} and env == {"PATH": "/bin"}
     env[PRIMITIVE_CACHE_ENV] = "1024"  # the user's choice wins, and stays
+    env[THP_ENV] = "0"
     with engine_environment(cpu=True, environ=env) as set_:
-        assert set_ == {} and env[PRIMITIVE_CACHE_ENV] == "1024"
-    assert env[PRIMITIVE_CACHE_ENV] == "1024"
+        assert set_ == {} and env[PRIMITIVE_CACHE_ENV] == "1024" and env[THP_ENV] == "0"
+    assert env[PRIMITIVE_CACHE_ENV] == "1024" and env[THP_ENV] == "0"
+    del env[THP_ENV]  # each on its own
+    with engine_environment(cpu=True, environ=env) as set_:
+        assert set_ == {THP_ENV: "1"} and env[PRIMITIVE_CACHE_ENV] == "1024"
+    assert env == {"PATH": "/bin", PRIMITIVE_CACHE_ENV: "1024"}
     # restored when the engine fails to start, too
     env = {}
     with pytest.raises(RuntimeError, match="engine died"), engine_environment(cpu=True, environ=env):
-        assert env[PRIMITIVE_CACHE_ENV] == "64"
+        assert env[PRIMITIVE_CACHE_ENV] == "64" and env[THP_ENV] == "1"
         raise RuntimeError("engine died")
     assert env == {}

@@ -59,7 +59,7 @@ from typing import Any
 from .arena import LocalSink, ShmSink, forget_all, layout_for, probe_seen
 from .capture import CaptureError, Segment, StepLayout, StepSlicer, check_plan, clip_run, shard_rows
 from .cpu_attention import grant_amx
-from .heap import PRIMITIVE_CACHE_ENV, HeapTrimmer
+from .heap import PRIMITIVE_CACHE_ENV, THP_ENV, HeapTrimmer
 from .logs import attach_to_vllm_logging, get_logger
 from .offload import HostOffload, Staged
 from .runners import RUNNER_V1, UnknownRunnerError, runner_kind, runner_layout, runner_token_ids
@@ -79,6 +79,20 @@ def anon_rss() -> int:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:
                 if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
+
+
+def anon_huge_bytes() -> int:
+    """This process's anonymous memory on transparent huge pages
+    (``AnonHugePages`` of ``/proc/self/smaps_rollup``); -1 where /proc does
+    not say."""
+    try:
+        with open("/proc/self/smaps_rollup", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -908,6 +922,8 @@ class CaptureWorkerExtension:
             "trim_seconds": None if trimmer is None else trimmer.trim_seconds,
             # what this worker's process started with (eagle3_compat.heap.engine_environment)
             "onednn_primitive_cache_capacity": os.environ.get(PRIMITIVE_CACHE_ENV),
+            "thp_mem_alloc_enable": os.environ.get(THP_ENV),
+            "anon_huge": anon_huge_bytes(),
             "rss": psutil.Process().memory_info().rss,
             "anon": anon_rss(),
             "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
