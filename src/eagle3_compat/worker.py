@@ -71,32 +71,30 @@ WORKER_EXTENSION = f"{__name__}.CaptureWorkerExtension"
 log = get_logger("eagle3_compat.worker")
 
 
-def anon_rss() -> int:
-    """This process's resident anonymous memory in bytes (``RssAnon``): its
-    heap and tensors, not the shared arena files it maps (those are counted
-    by the arena pool).  -1 where /proc does not say."""
+def _proc_kib_field(path: str, field: str) -> int:
+    """The ``<field>: <n> kB`` line of a /proc file, in bytes; -1 where there is none."""
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             for line in f:
-                if line.startswith("RssAnon:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return -1
+
+
+def anon_rss() -> int:
+    """This process's resident anonymous memory in bytes (``RssAnon``): its
+    heap and tensors, not the shared arena files it maps (those are counted
+    by the arena pool).  -1 where /proc does not say."""
+    return _proc_kib_field("/proc/self/status", "RssAnon")
 
 
 def anon_huge_bytes() -> int:
     """This process's anonymous memory on transparent huge pages
     (``AnonHugePages`` of ``/proc/self/smaps_rollup``); -1 where /proc does
     not say."""
-    try:
-        with open("/proc/self/smaps_rollup", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return -1
+    return _proc_kib_field("/proc/self/smaps_rollup", "AnonHugePages")
 
 
 def _decoder_layers(model: Any) -> tuple[Any, Any]:
