@@ -10,6 +10,9 @@ a prefix of the larger), in fresh processes:
 ``cli``
     ``eagle3-compat generate`` on a JSONL file of the same prompts, writing
     one file per sample (the streaming job);
+``cli-before``
+    the CLI of another tree (``--before-src``: its ``src``, e.g. a git
+    worktree of the commit before a change), the same job;
 ``cli-driver-threads2``, ``cli-no-pool``, ``cli-in-flight-64``, ``cli-no-trim``,
 ``cli-trim-every-step``, ``cli-trim-256``, ``cli-interval-30``, ``cli-onednn-1024``
     the same with one change undone, for before/after figures in one run:
@@ -243,6 +246,9 @@ def main() -> int:
                          "node, where the job's own work runs beside the engine, not on its cores")
     ap.add_argument("--log-dir", type=Path, default=None,
                     help="keep each run's stderr there (<samples>-<mode>-<run>.log); e.g. with EAGLE3_COMPAT_DEBUG=1")
+    ap.add_argument("--before-src", type=Path, default=None,
+                    help="mode cli-before: the CLI from this tree's src (e.g. a git worktree of an "
+                         "earlier commit), for before/after figures of a code change in one run")
     ap.add_argument("--modes", default="prefill,cli", help=f"prefill, cli-trim-<MiB> and any of {sorted([*CLI_MODES, *CLI_LAUNCHERS])}")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -290,7 +296,12 @@ def main() -> int:
                             lambda pfile=pfile: Path(str(pfile) + ".ready").exists(), env, None)}
         for mode in modes:
             out = work / f"out-{n}-{mode}"
-            extra_env, extra_args = cli_mode(mode)
+            if mode == "cli-before":
+                if args.before_src is None:
+                    raise SystemExit("mode cli-before needs --before-src")
+                extra_env, extra_args = {"PYTHONPATH": str(args.before_src.resolve())}, []
+            else:
+                extra_env, extra_args = cli_mode(mode)
             menv = dict(env, **extra_env)
             launcher = CLI_LAUNCHERS.get(mode, ["-m", "eagle3_compat"])
             jobs[mode] = ([*pin, sys.executable, *launcher, "generate", "--model", str(model),
