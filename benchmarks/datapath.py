@@ -119,7 +119,7 @@ class BenchExtension(CaptureWorkerExtension):
             state.plan(step, layout)  # the model's forward pre-hook (direct copies)
             for s, rows in enumerate(self._bench_rows):
                 # the hook's rows: hidden + residual, a tensor the capture made
-                step.capture(off, s, rows, HIDDEN, rows.dtype, owned=True)
+                step.capture(off, s, rows, True, HIDDEN, rows.dtype)
             off.run(lambda step=step, layout=layout: state.process(step, layout, list(range(LAYERS))))
         reply = self.e3c_take(call, 0)
         reply["armed"] = armed

@@ -96,19 +96,6 @@ def schedule(lengths, budget, max_seqs, pad, decode_rows, foreign, seed, call):
     return steps
 
 
-def capture_layer(step, offload, slot, h, k):
-    """The layer hook's call for slot ``slot`` in the ``k``-th step: every other
-    one as a layer that keeps its residual apart (vLLM's ``(hidden,
-    residual)``), split so that the sum is exact, so that every slot takes both
-    the plain and the summed paths."""
-    if (slot + k) % 2:
-        # a residual that differs row by row, so that rows taken from the wrong place show
-        r = torch.arange(7, 7 + h.shape[0], dtype=h.dtype)[:, None].expand_as(h).contiguous()
-        step.capture(offload, slot, h - r, HIDDEN, torch.float32, r)
-    else:
-        step.capture(offload, slot, h, HIDDEN, torch.float32)
-
-
 def rows_for(val, pos, layer_ids):
     vals = torch.tensor(val, dtype=torch.float32)
     pos = (list(pos) + [0] * len(val))[: len(val)]  # a fault may shorten one of them
@@ -196,7 +183,7 @@ def run_steps(steps, lengths, layer_ids, call, core=None, arena=None, direct=Fal
                           "rpc", direct)
     slots = list(range(len(layer_ids)))
     stager = HostOffload("cpu")
-    for k, (req_ids, counts, pos, tok, val) in enumerate(steps):
+    for req_ids, counts, pos, tok, val in steps:
         step_layout = core.StepLayout(tuple(req_ids), tuple(counts))
         layers = rows_for(val, pos, layer_ids)
         for r, ext in enumerate(ranks):
@@ -205,7 +192,7 @@ def run_steps(steps, lengths, layer_ids, call, core=None, arena=None, direct=Fal
             if direct:
                 state.plan(step, step_layout)
             for slot, h in enumerate(layers):
-                capture_layer(step, ext._e3c_offload, slot, h, k)
+                step.capture(ext._e3c_offload, slot, h, False, HIDDEN, torch.float32)
             step.positions = stager.submit("positions", torch.tensor(pos, dtype=torch.int64))
             if r == 0:
                 step.token_ids = stager.submit("token_ids", torch.tensor(tok, dtype=torch.int64))
@@ -546,7 +533,7 @@ def stream_through_worker(ext, call, first, count, plen, per_step, layer_ids, di
         if direct:
             state.plan(step, step_layout)
         for slot, h in enumerate(rows_for(val, pos, layer_ids)):
-            capture_layer(step, ext._e3c_offload, slot, h, k)
+            step.capture(ext._e3c_offload, slot, h, False, HIDDEN, torch.float32)
         step.positions = stager.submit("positions", torch.tensor(pos, dtype=torch.int64))
         step.token_ids = stager.submit("token_ids", torch.tensor(tok, dtype=torch.int64))
         state.process(step, step_layout, slots)

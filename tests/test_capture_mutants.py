@@ -68,17 +68,7 @@ MUTANTS = {
                                  "(place[slot], h[src - lo : src - lo + count])"),
     "staged-share-rows-offset": (worker_mod, "rows[slot][src - lo : src - lo + count]", "rows[slot][src : src + count]"),
     "staged-whole-step-as-share": (worker_mod, "offload.submit(slot, h[lo:hi], owned)", "offload.submit(slot, h, owned)"),
-    "direct-rows-to-first-slot": (worker_mod, "(place[slot], h[src : src + count]) for",
-                                  "(place[0], h[src : src + count]) for"),
-    # (odd layer slots come with a residual: the sum is written run by run on the CPU)
-    "direct-sum-drops-residual": (worker_mod, "h[src : src + count], residual[src : src + count])",
-                                  "h[src : src + count], 0 * residual[src : src + count])"),
-    "direct-sum-to-first-slot": (worker_mod, "(place[slot], h[src : src + count], residual",
-                                 "(place[0], h[src : src + count], residual"),
-    "direct-sum-share-rows-offset": (worker_mod, "h[src : src + count], residual[src : src + count])",
-                                     "h[src : src + count], residual[src - lo : src - lo + count])"),
-    "staged-sum-drops-residual": (worker_mod, "h, owned = h + residual, True  # made here",
-                                  "owned = True  # made here"),
+    "direct-rows-to-first-slot": (worker_mod, "(place[slot], h[", "(place[0], h["),
     # -- the wire: what the driver is told ----------------------------------------
     "token-ids-not-sent": (capture, "None if self.token_ids is None else list(self.token_ids)]", "None]"),
     # -- driver side: the coverage check ------------------------------------------

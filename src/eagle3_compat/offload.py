@@ -215,32 +215,6 @@ class HostOffload:
             return Staged(None)
         return Staged(None, self._copy_on_side_stream(pairs) if pairs else None)
 
-    def add_runs(self, triples: list[tuple[Tensor, Tensor, Tensor]]) -> Staged:
-        """Write ``a + b`` into ``dst`` for each ``(dst, a, b)`` triple, on the
-        CPU only: the direct path for a layer that keeps its residual apart,
-        without a step-sized tensor for the sum.  The add is torch's own, into
-        ``out=``, so the bits are those of ``a + b``.  Checked first, as in
-        :meth:`submit_runs`; nothing is written if one triple is wrong.
-
-        Raises:
-            ValueError: a destination's or an addend's shape or dtype differs
-                from the rows', or the offload is on CUDA (the sum is made on
-                the device there, and its rows copied with :meth:`submit_runs`).
-        """
-        import torch  # noqa: PLC0415
-
-        if self.cuda:
-            raise ValueError("add_runs: on CUDA the sum is made on the device (submit_runs)")
-        for dst, a, b in triples:
-            if not (dst.shape == a.shape == b.shape and dst.dtype == a.dtype == b.dtype):
-                raise ValueError(
-                    f"add_runs: destination {dst.dtype} {tuple(dst.shape)} and addends "
-                    f"{a.dtype} {tuple(a.shape)}, {b.dtype} {tuple(b.shape)} do not match"
-                )
-        for dst, a, b in triples:
-            torch.add(a, b, out=dst)
-        return Staged(None)
-
     # -- the work that uses the rows ---------------------------------------------
     def run(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` (which waits on its ``Staged`` rows) off the step's critical path."""

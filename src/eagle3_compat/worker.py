@@ -154,14 +154,13 @@ def _owned_layers(base: Any, layers: Any, stage: int, stages: int) -> range:
 
 
 def _input_reader(layer: Any) -> Any:
-    """A function (args, kwargs) -> (hidden, residual or None): the state
-    decoder ``layer`` receives is their sum.
+    """A function (args, kwargs) -> (the state decoder ``layer`` receives, owned).
 
     vLLM's EAGLE-3 serving reads, for aux layer ``k``, ``hidden_states +
     residual`` just before layer ``k`` runs (``LlamaModel.forward``,
     ``aux_hidden_state_layers``); the arguments are found by name in the
     layer's own ``forward`` signature, so positional and keyword calls both
-    work.
+    work.  ``owned``: the tensor was made here (a sum), not the model's own.
     """
     import inspect  # noqa: PLC0415
 
@@ -174,23 +173,25 @@ def _input_reader(layer: Any) -> Any:
     ih = names.index("hidden_states")
     ir = names.index("residual") if "residual" in names else None
 
-    def read(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    def read(args: tuple, kwargs: dict) -> tuple[Any, bool]:
         h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[ih]
         r = None
         if ir is not None:
             r = kwargs["residual"] if "residual" in kwargs else (args[ir] if len(args) > ir else None)
-        return h, r
+        return (h, False) if r is None else (h + r, True)
 
     return read
 
 
-def _layer_output(out: Any) -> tuple[Any, Any]:
-    """(hidden, residual or None): the output of a decoder layer is their sum."""
+def _layer_output(out: Any) -> tuple[Any, bool]:
+    """(the output of a decoder layer, whether that tensor was made here)."""
     if isinstance(out, tuple):
+        hidden = out[0]
+        residual = out[1] if len(out) > 1 else None
         # vLLM layers return (hidden, residual) with the residual add fused into
         # the next norm; the layer's output proper is their sum.
-        return out[0], (out[1] if len(out) > 1 else None)
-    return out, None
+        return (hidden, False) if residual is None else (hidden + residual, True)
+    return out, False
 
 
 class _Step:
@@ -224,40 +225,24 @@ class _Step:
         self.positions: Staged | None = None
         self.token_ids: Staged | None = None
 
-    def capture(self, offload: HostOffload, slot: int, h: Any, hidden: int, dtype: Any,
-                residual: Any = None, *, owned: bool = False) -> None:
-        """Send layer slot ``slot``'s rows ``h`` (plus ``residual``, where the
-        layer keeps its residual apart) of this step on their way: each
+    def capture(self, offload: HostOffload, slot: int, h: Any, owned: bool, hidden: int, dtype: Any) -> None:
+        """Send layer slot ``slot``'s rows ``h`` of this step on their way: each
         planned run straight to its place (``targets``), or else the scheduled
         rows (padding never leaves the device) to staging, for
-        :meth:`_Call.process` to attribute and write.  ``owned``: ``h`` is a
-        tensor the capture made, which nothing else writes to."""
+        :meth:`_Call.process` to attribute and write."""
         targets = self.targets
         self.seen[slot] = int(h.shape[0]) if h.dim() else 0
         lo, hi = self.lo, self.hi
         if (targets is not None and h.dim() == 2 and h.shape[0] >= self.total
                 and h.shape[1] == hidden and h.dtype == dtype):
             # the places were worked out once for the step (_Call.plan), not per layer
+            pairs = [(place[slot], h[src : src + count]) for place, src, count in targets]
             try:
-                if residual is not None and not offload.cuda and residual.shape == h.shape \
-                        and residual.dtype == h.dtype:
-                    # On the CPU the sum is written straight into the arena,
-                    # run by run: no step-sized tensor is made for it (the
-                    # same add, so the same bits as ``h + residual``).
-                    self.layers[slot] = offload.add_runs(
-                        [(place[slot], h[src : src + count], residual[src : src + count])
-                         for place, src, count in targets])
-                else:
-                    if residual is not None:
-                        h, residual, owned = h + residual, None, True
-                    self.layers[slot] = offload.submit_runs(
-                        [(place[slot], h[src : src + count]) for place, src, count in targets])
+                self.layers[slot] = offload.submit_runs(pairs)
                 self.direct.add(slot)
                 return
             except ValueError:  # a run that does not fit: the staged path reports it
                 pass
-        if residual is not None:
-            h, owned = h + residual, True  # made here: on the CPU it need not be copied again
         self.layers[slot] = offload.submit(slot, h[lo:hi], owned)
 
     def release(self) -> None:
@@ -481,7 +466,7 @@ class CaptureWorkerExtension:
         offload = self._e3c_offload
         dtype = param.dtype
 
-        def keep(slot: int, h: Any, r: Any) -> None:
+        def keep(slot: int, h: Any, owned: bool) -> None:
             step = self._e3c_step
             if step is None:
                 return  # warm-up, profiling, or not armed: never captured
@@ -489,10 +474,7 @@ class CaptureWorkerExtension:
                 # vLLM's Transformers backend (Olmo2 from vLLM 0.29) runs Hugging
                 # Face's decoder layers on a batch of one: [1, tokens, hidden].
                 h = h[0]
-                if r is not None and r.dim() == 3 and r.shape[0] == 1:
-                    r = r[0]
-            step.capture(offload, slot, h.detach(), self._e3c_hidden, dtype,
-                         None if r is None else r.detach())
+            step.capture(offload, slot, h.detach(), owned, self._e3c_hidden, dtype)
 
         def layer_hook(slot: int):
             def hook(_module, _args, out):
