@@ -105,7 +105,7 @@ def cli_mode(mode: str) -> tuple[dict[str, str], list[str]]:
         return {}, []
     if mode.startswith("cli-trim-") and mode[len("cli-trim-"):].isdigit():
         return {"EAGLE3_COMPAT_CPU_TRIM_MIB": mode[len("cli-trim-"):]}, []
-    raise SystemExit(f"unknown mode {mode!r}: prefill, cli-trim-<MiB> or one of "
+    raise SystemExit(f"unknown mode {mode!r}: prefill, cli-trim-<MiB>, cli-before or one of "
                      f"{sorted([*CLI_MODES, *CLI_LAUNCHERS])}")
 
 
@@ -249,7 +249,8 @@ def main() -> int:
     ap.add_argument("--before-src", type=Path, default=None,
                     help="mode cli-before: the CLI from this tree's src (e.g. a git worktree of an "
                          "earlier commit), for before/after figures of a code change in one run")
-    ap.add_argument("--modes", default="prefill,cli", help=f"prefill, cli-trim-<MiB> and any of {sorted([*CLI_MODES, *CLI_LAUNCHERS])}")
+    ap.add_argument("--modes", default="prefill,cli", help=f"prefill, cli-trim-<MiB>, cli-before (with --before-src) and any of "
+                                              f"{sorted([*CLI_MODES, *CLI_LAUNCHERS])}")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
