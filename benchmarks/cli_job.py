@@ -86,6 +86,10 @@ CLI_MODES: dict[str, tuple[dict[str, str], list[str]]] = {
     "cli-interval-30": ({"EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S": "30"}, []),  # at most one trim per 30 s
     # before: oneDNN's own default capacity of its primitive cache (eagle3_compat.heap)
     "cli-onednn-1024": ({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}, []),
+    # the capture alone: none of the engine settings above that the job makes (trim, huge pages,
+    # primitive cache), i.e. the engine as plain prefill runs it
+    "cli-capture-only": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "off", "THP_MEM_ALLOC_ENABLE": "0",
+                          "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}, []),
 }
 
 
