@@ -128,6 +128,7 @@ def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_m
 # Extended (0.11 and 0.16 in CI): on the 0.19 and 0.25 CPU builds this TP 2
 # engine failed to start while other suites ran beside it (cause not found).
 @pytest.mark.extended
+@pytest.mark.parallel
 def test_generate_with_tensor_parallel_2_matches_hf(tmp_path, tiny_models):
     """`generate --tensor-parallel-size 2` (README): two workers, rank 0 writes
     the arena; every file against HF float32."""
@@ -155,6 +156,7 @@ def test_generate_with_tensor_parallel_2_matches_hf(tmp_path, tiny_models):
 
 
 @pytest.mark.extended
+@pytest.mark.parallel
 def test_generate_with_pipeline_parallel_2_matches_hf(tmp_path, tiny_models):
     """`generate --pipeline-parallel-size 2` (README): the streaming job with
     two pipeline stages (layer 1 on stage 0, layers 4 and 5 on stage 1);

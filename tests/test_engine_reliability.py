@@ -259,6 +259,7 @@ def test_fuzz_generate_valid_or_value_error(gen, model, prompts):
 
 
 @pytest.mark.extended
+@pytest.mark.parallel
 @pytest.mark.parametrize("victim", ["worker rank 1", "worker rank 0"])
 def test_killed_tensor_parallel_worker_is_a_clear_error(model, monkeypatch, victim):
     """TP 2: correct against HF float32 (35 prompts, several engine steps,

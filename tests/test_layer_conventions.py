@@ -150,6 +150,7 @@ def test_capture_argument_is_checked(tiny_models):
 
 
 @pytest.mark.extended
+@pytest.mark.parallel
 def test_layer_conventions_hold_across_pipeline_stages(tiny_models, monkeypatch):
     """Pipeline parallel 2 (stage 0 runs layers 0-2, stage 1 runs 3-5 and the
     final norm): both columns of the table hold whichever stage a layer is

@@ -174,6 +174,7 @@ def test_ray_executor_skips_the_host_device_count():
 
 
 @pytest.mark.extended
+@pytest.mark.parallel
 def test_executor_backend_reaches_vllm(pp_llama, tiny_models, caplog):
     """``distributed_executor_backend="ray"`` is passed to vLLM: its CPU
     platform says it falls back to multiprocessing (the Ray executor does not
@@ -194,6 +195,7 @@ def test_executor_backend_reaches_vllm(pp_llama, tiny_models, caplog):
 
 
 @pytest.mark.extended
+@pytest.mark.parallel
 def test_pipeline_parallel_2_moe_matches_tensor_parallel_1(tiny_models, two_cores, vllm_minor):
     """Qwen3-MoE (every layer MoE): PP 2 against TP 1 at 1e-5, several prompts
     per call, layers on both stages."""
@@ -242,6 +244,7 @@ def _engine_children():
 
 
 @pytest.mark.extended
+@pytest.mark.parallel
 @pytest.mark.parametrize("stage", [0, 1])
 def test_killed_pipeline_stage_worker_is_a_clear_error(tiny_models, two_cores, stage):
     """PP 2: the worker of either stage dies (SIGKILL) after a correct call:

@@ -13,7 +13,7 @@ import pytest
 
 from prompts import mixed_prompts
 
-pytestmark = [pytest.mark.engine, pytest.mark.extended, pytest.mark.usefixtures("applied_f32")]
+pytestmark = [pytest.mark.engine, pytest.mark.extended, pytest.mark.parallel, pytest.mark.usefixtures("applied_f32")]
 
 LAYERS = [0, 2, 5]
 TOL = 1e-4
