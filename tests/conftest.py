@@ -81,6 +81,12 @@ FULL = SUITE == "full"
 # release (E3C_EDGE=1, tox: vllm032), where vLLM and transformers differ most
 # from the full-suite releases; the other core envs skip them.
 EDGE = FULL or os.environ.get("E3C_EDGE", "0") == "1"
+# Tests marked "lifecycle" start an engine of their own only to kill it,
+# interrupt it or tear its capture down (processes and /dev/shm left clean,
+# a clear error after): the full and parallel tiers run them (0.16, 0.11)
+# and, in the core tier, the newest release's env (E3C_EDGE=1, vllm032); the
+# releases between skip them (each such engine start is 15-40 s there).
+LIFECYCLE = FULL or SUITE == "parallel" or EDGE
 # The core tier (every release but the two on the full suite) turns off
 # torch.compile in its processes and their engines.  Every engine the tests
 # start runs its model eagerly anyway (the generator and the reference pass
@@ -127,6 +133,9 @@ def pytest_collection_modifyitems(config, items):
     edge_only = pytest.mark.skip(
         reason="edge test: runs with the full suite and in the newest release's env (E3C_EDGE=1)"
     )
+    lifecycle_elsewhere = pytest.mark.skip(
+        reason="lifecycle test: runs in the full and parallel tiers and the newest release's env (E3C_EDGE=1)"
+    )
     once_elsewhere = pytest.mark.skip(reason="runs in one tox env only (E3C_ONCE=1: vllm016)")
     for item in items:
         if "once" in item.keywords and not ONCE:
@@ -137,6 +146,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(core_only)
         elif "edge" in item.keywords and not EDGE:
             item.add_marker(edge_only)
+        elif "lifecycle" in item.keywords and not LIFECYCLE:
+            item.add_marker(lifecycle_elsewhere)
 
 
 _ROOT_CAUSE = ("Error:", "Error(", "Exception:", "error:", "EADDRINUSE", "Killed", "Traceback")

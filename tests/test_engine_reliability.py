@@ -136,6 +136,7 @@ def shm_names():
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(mine))
 
 
+@pytest.mark.lifecycle
 def test_killed_engine_is_a_clear_error_and_leaves_no_processes(model, gen):
     from speculators.data_generation import VllmHiddenStatesGenerator
 
@@ -161,6 +162,7 @@ def test_killed_engine_is_a_clear_error_and_leaves_no_processes(model, gen):
     check_correct(gen, model, [[5, 6, 7, 8]])
 
 
+@pytest.mark.lifecycle
 def test_keyboard_interrupt_then_close_twice_leaves_no_engine_processes(model, gen, monkeypatch):
     """Ctrl-C inside generate() (here while the worker maps the prompts' arena,
     the one moment its name exists in /dev/shm) removes the arena and shuts

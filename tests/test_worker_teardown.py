@@ -55,6 +55,7 @@ def test_shared_generator_reports_token_ids_checked(llama_gen, monkeypatch):
 
 @pytest.mark.engine
 @pytest.mark.usefixtures("applied_f32")
+@pytest.mark.lifecycle
 def test_teardown_restores_the_runner_and_later_generate_is_a_clear_error(tiny_models, llama_gen):
     from speculators.data_generation import VllmHiddenStatesGenerator
 
