@@ -87,7 +87,7 @@ EDGE = FULL or os.environ.get("E3C_EDGE", "0") == "1"
 # and, in the core tier, the newest release's env (E3C_EDGE=1, vllm032); the
 # releases between skip them (each such engine start is 15-40 s there).
 LIFECYCLE = FULL or SUITE == "parallel" or EDGE
-# The core tier (every release but the two on the full suite) turns off
+# The core and parallel tiers (every release but 0.16's full suite) turn off
 # torch.compile in its processes and their engines.  Every engine the tests
 # start runs its model eagerly anyway (the generator and the reference pass
 # compilation_config=0; test_engine_core checks it on each release), but
@@ -95,7 +95,7 @@ LIFECYCLE = FULL or SUITE == "parallel" or EDGE
 # warm-up (vllm/v1/sample/ops/topk_topp_sampler.py, compiled_random_sample):
 # measured here, an engine start took 40 s with it and 25 s without on 0.25
 # (inductor's vector-ISA probes and dynamo), 10-13 s and 8 s on 0.16.  The
-# full suite (0.11, 0.16) runs with it, as users do.
+# full suite (0.16) runs with it, as users do.
 if not FULL:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 # vLLM 0.11-0.17: the workers of a multi-worker engine (tensor or pipeline
