@@ -489,3 +489,14 @@ def test_stream_stopped_early_or_fed_a_bad_prompt_leaves_the_generator_sound(gen
             pass
     assert _shm_names() == []
     _check(gen.generate(prompts[:4]), llama, prompts[:4], LAYERS, F32_TOL)
+
+
+def test_idle_sleep_only_where_vllm_spins_idle_workers(vllm_minor):
+    """The generator asks a multi-worker CPU engine's workers to sleep when
+    idle only where vLLM defines VLLM_SLEEP_WHEN_IDLE: 0.11-0.17 spin them on
+    sched_yield() otherwise; 0.19+ wait on a socket and warn about unknown
+    VLLM_ variables (the PP 2 tests check the workers' environment)."""
+    from eagle3_compat.generator import _knows_env
+
+    assert _knows_env("VLLM_SLEEP_WHEN_IDLE") is (vllm_minor <= (0, 17))
+    assert _knows_env("VLLM_NO_SUCH_VARIABLE") is False

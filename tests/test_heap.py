@@ -282,9 +282,16 @@ def test_glibc_trim_returns_freed_heap_pages(no_trim):
 
 
 def test_engine_environment_sets_cpu_engine_defaults_only_and_restores():
-    from eagle3_compat.heap import PRIMITIVE_CACHE_DEFAULT, PRIMITIVE_CACHE_ENV, THP_ENV, engine_environment
+    from eagle3_compat.heap import (
+        IDLE_SLEEP_ENV,
+        PRIMITIVE_CACHE_DEFAULT,
+        PRIMITIVE_CACHE_ENV,
+        THP_ENV,
+        engine_environment,
+    )
 
     assert THP_ENV == "THP_MEM_ALLOC_ENABLE"  # the name PyTorch's CPU allocator reads
+    assert IDLE_SLEEP_ENV == "VLLM_SLEEP_WHEN_IDLE"  # the name vLLM 0.11-0.17 read
     env = {"PATH": "/bin"}
     with engine_environment(cpu=True, environ=env) as set_:
         assert set_ == {PRIMITIVE_CACHE_ENV: str(PRIMITIVE_CACHE_DEFAULT), THP_ENV: "1"}
@@ -302,6 +309,17 @@ def test_engine_environment_sets_cpu_engine_defaults_only_and_restores():
     with engine_environment(cpu=True, environ=env) as set_:
         assert set_ == {THP_ENV: "1"} and env[PRIMITIVE_CACHE_ENV] == "1024"
     assert env == {"PATH": "/bin", PRIMITIVE_CACHE_ENV: "1024"}
+    # several workers where vLLM spins them when idle (the caller's word)
+    env = {"PATH": "/bin"}
+    with engine_environment(cpu=True, environ=env, idle_sleep=True) as set_:
+        assert set_ == {PRIMITIVE_CACHE_ENV: "64", THP_ENV: "1", IDLE_SLEEP_ENV: "1"}
+        assert env[IDLE_SLEEP_ENV] == "1"
+    assert env == {"PATH": "/bin"}
+    with engine_environment(cpu=False, environ=env, idle_sleep=True) as set_:  # CUDA: not ours to change
+        assert set_ == {} and env == {"PATH": "/bin"}
+    env[IDLE_SLEEP_ENV] = "0"  # the user's choice wins
+    with engine_environment(cpu=True, environ=env, idle_sleep=True) as set_:
+        assert IDLE_SLEEP_ENV not in set_ and env[IDLE_SLEEP_ENV] == "0"
     # restored when the engine fails to start, too
     env = {}
     with pytest.raises(RuntimeError, match="engine died"), engine_environment(cpu=True, environ=env):

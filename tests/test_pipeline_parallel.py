@@ -75,7 +75,11 @@ def pp_llama(tiny_models, two_cores, vllm_minor):
 
     if not PIPELINE_VERIFIED[0] <= vllm_minor <= PIPELINE_VERIFIED[1]:  # (module scope: before the autouse skip)
         pytest.skip(f"pipeline parallelism is refused on vLLM {vllm_minor}")
-    g = _pp2(tiny_models("llama"), LAYERS, max_model_len=GEN_MAX_MODEL_LEN)
+    with pytest.MonkeyPatch.context() as m:
+        # conftest sets it for every engine of the tests; this one's comes
+        # from the generator (eagle3_compat.heap.engine_environment)
+        m.delenv("VLLM_SLEEP_WHEN_IDLE", raising=False)
+        g = _pp2(tiny_models("llama"), LAYERS, max_model_len=GEN_MAX_MODEL_LEN)
     yield g
     g.close()
 
@@ -145,6 +149,10 @@ def test_pipeline_parallel_stage_setup(pp_llama):
         (1, [3, 6], [5, 3]),
     ]
     assert [s["hooks"] for s in pp_llama.llm.collective_rpc("e3c_state")] == [3, 3]  # 2 layers + inputs
+    # Both workers started with VLLM_SLEEP_WHEN_IDLE=1 from the generator
+    # (vLLM 0.11-0.17 spin them on their cores between calls otherwise), and
+    # the user's process did not keep it.
+    assert [m["vllm_sleep_when_idle"] for m in pp_llama.llm.collective_rpc("e3c_memory")] == ["1", "1"]
 
 
 def test_pipeline_parallel_argument_is_checked(tiny_models):

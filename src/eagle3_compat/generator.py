@@ -205,11 +205,14 @@ def generator_init(
         extra["block_size"] = self._e3c_block_size
     from vllm.platforms import current_platform  # noqa: PLC0415
 
-    from .heap import engine_environment  # noqa: PLC0415
+    from .heap import IDLE_SLEEP_ENV, engine_environment  # noqa: PLC0415
 
     # A CPU engine's processes start with oneDNN's primitive cache capped
-    # (eagle3_compat.heap): it grows with the distinct step sizes otherwise.
-    with engine_environment(bool(current_platform.is_cpu())):
+    # (eagle3_compat.heap): it grows with the distinct step sizes otherwise;
+    # one of several workers with idle workers sleeping where vLLM spins them.
+    workers = int(tensor_parallel_size or 1) * int(pipeline_parallel_size or 1)
+    idle_sleep = workers > 1 and _knows_env(IDLE_SLEEP_ENV)
+    with engine_environment(bool(current_platform.is_cpu()), idle_sleep=idle_sleep):
         self.llm = LLM(
             model=model_path,
             tokenizer=model_path,
@@ -250,6 +253,16 @@ def generator_init(
     if any(n > 1 for n in self._e3c_shardable):
         log.info("tensor-parallel ranks share the device-to-host copies (ranks per pipeline stage: %s; "
                  "EAGLE3_COMPAT_SHARD=0: rank 0 copies every row)", self._e3c_shardable)
+
+
+def _knows_env(name: str) -> bool:
+    """Whether this vLLM defines the environment variable ``name`` (its
+    ``vllm.envs.environment_variables``)."""
+    try:
+        from vllm import envs  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - the generator needs vLLM
+        return False
+    return name in getattr(envs, "environment_variables", {})
 
 
 def _shardable(self: Any, infos: list[dict[str, Any]], backend: str | None) -> list[int]:

@@ -58,7 +58,22 @@ from 200 to 2000 samples; ``benchmarks/cli_job.py``, mode ``cli-no-thp``
 for the job without it).  The generator therefore starts a CPU engine with
 ``THP_MEM_ALLOC_ENABLE=1`` unless the user set it (``0`` keeps PyTorch's
 default); where the system's THP setting is ``never`` it changes only the
-alignment.  Nothing here imports vLLM or torch.
+alignment.
+
+A CPU engine of several workers (tensor or pipeline parallel) on vLLM
+0.11-0.17 also starts with ``VLLM_SLEEP_WHEN_IDLE=1`` unless the user set
+it (:data:`IDLE_SLEEP_ENV`).  Each worker of such an engine waits for the
+next step on vLLM's shared-memory queue by spinning on ``sched_yield()``,
+pinned to its core, for as long as the engine lives; between calls (a
+notebook, a trainer between extraction rounds) that is every one of the
+engine's cores at 100 %, taken from the user's own work.  With the variable
+a worker sleeps 0.1 s at a time once it has waited 3 s (vLLM's
+``SpinSleepTimer``); while steps come it spins as before.  Seen here: two
+such idle engines on a 2-core machine starved the kernel's per-CPU work
+until a third engine's workers hung at start (issue #16's CI run).  vLLM
+0.19 and later wait on a socket instead and do not know the variable
+(they warn about unknown ``VLLM_`` variables), so it is set only where
+vLLM defines it.  Nothing here imports vLLM or torch.
 """
 
 from __future__ import annotations
@@ -81,6 +96,7 @@ DEFAULT_INTERVAL_S = 0.0
 PRIMITIVE_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 PRIMITIVE_CACHE_DEFAULT = 64
 THP_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's c10 CPU allocator (c10/core/impl/alloc_cpu.cpp)
+IDLE_SLEEP_ENV = "VLLM_SLEEP_WHEN_IDLE"  # vLLM 0.11-0.17 shm_broadcast: SpinSleepTimer, not SpinTimer
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -137,16 +153,22 @@ def interval_from_env(environ: dict[str, str] | None = None) -> float | None:
 
 
 @contextlib.contextmanager
-def engine_environment(cpu: bool, environ: MutableMapping[str, str] | None = None) -> Iterator[dict[str, str]]:
+def engine_environment(
+    cpu: bool, environ: MutableMapping[str, str] | None = None, idle_sleep: bool = False
+) -> Iterator[dict[str, str]]:
     """While the engine starts: :data:`PRIMITIVE_CACHE_ENV` at
     :data:`PRIMITIVE_CACHE_DEFAULT` and :data:`THP_ENV` at ``1`` in
-    ``environ`` (``os.environ``) for an engine on vLLM's CPU platform, each
-    where the user has not set it (nothing for other platforms), which
-    vLLM's engine and worker processes inherit when they are started from
-    this one; restored afterwards, so the user's process keeps its own
-    environment.  Yields what it set."""
+    ``environ`` (``os.environ``) for an engine on vLLM's CPU platform, and
+    :data:`IDLE_SLEEP_ENV` at ``1`` there too where ``idle_sleep`` (the
+    caller's word that the engine has several workers and its vLLM defines
+    the variable), each where the user has not set it (nothing for other
+    platforms), which vLLM's engine and worker processes inherit when they
+    are started from this one; restored afterwards, so the user's process
+    keeps its own environment.  Yields what it set."""
     env = os.environ if environ is None else environ
     wanted = {PRIMITIVE_CACHE_ENV: str(PRIMITIVE_CACHE_DEFAULT), THP_ENV: "1"}
+    if idle_sleep:
+        wanted[IDLE_SLEEP_ENV] = "1"
     updates = {name: value for name, value in wanted.items() if cpu and not env.get(name, "").strip()}
     for name, value in updates.items():
         env[name] = value

@@ -59,7 +59,7 @@ from typing import Any
 from .arena import LocalSink, ShmSink, forget_all, layout_for, probe_seen
 from .capture import CaptureError, Segment, StepLayout, StepSlicer, check_plan, clip_run, shard_rows
 from .cpu_attention import grant_amx
-from .heap import PRIMITIVE_CACHE_ENV, THP_ENV, HeapTrimmer
+from .heap import IDLE_SLEEP_ENV, PRIMITIVE_CACHE_ENV, THP_ENV, HeapTrimmer
 from .logs import attach_to_vllm_logging, get_logger
 from .offload import HostOffload, Staged
 from .runners import RUNNER_V1, UnknownRunnerError, runner_kind, runner_layout, runner_token_ids
@@ -921,6 +921,7 @@ class CaptureWorkerExtension:
             # what this worker's process started with (eagle3_compat.heap.engine_environment)
             "onednn_primitive_cache_capacity": os.environ.get(PRIMITIVE_CACHE_ENV),
             "thp_mem_alloc_enable": os.environ.get(THP_ENV),
+            "vllm_sleep_when_idle": os.environ.get(IDLE_SLEEP_ENV),
             "anon_huge": anon_huge_bytes(),
             "rss": psutil.Process().memory_info().rss,
             "anon": anon_rss(),
