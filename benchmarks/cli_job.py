@@ -10,9 +10,14 @@ a prefix of the larger), in fresh processes:
 ``cli``
     ``eagle3-compat generate`` on a JSONL file of the same prompts, writing
     one file per sample (the streaming job);
+``cli-out-shm``
+    ``cli`` writing its samples under ``/dev/shm`` (memory), not the disk;
 ``cli-before``
     the CLI of another tree (``--before-src``: its ``src``, e.g. a git
     worktree of the commit before a change), the same job;
+``cli-in-flight-all``
+    every prompt admitted at once, as plain prefill has them (memory
+    unbounded): a diagnostic;
 ``cli-driver-threads2``, ``cli-no-pool``, ``cli-in-flight-64``, ``cli-no-trim``,
 ``cli-trim-every-step``, ``cli-trim-256``, ``cli-interval-30``, ``cli-onednn-1024``
     the same with one change undone, for before/after figures in one run:
@@ -43,7 +48,12 @@ dataset as well), and the peak PSS of the whole tree (engine, KV cache and
 model included), and the CPU seconds (user + system) after the start of
 the job's own process and of the engine's processes (median of the timed
 runs): on a machine whose cores the engine's threads fill, what the job's
-own process uses there is taken from the engine; the target is cli/prefill
+own process uses there is taken from the engine; the seconds the threads of
+each waited for a core while runnable (``/proc/<tid>/schedstat``: a
+preempted OpenMP thread holds up its whole parallel region); and the CPU
+seconds of everything else on the machine (kernel threads such as the
+disk's writeback, other processes) with the seconds the hypervisor took the
+cores for something else (steal, ``/proc/stat``).  The target is cli/prefill
 >= 0.95 and the cli's peak within 10 % between the small and the large
 dataset.
 
@@ -77,6 +87,8 @@ CLI_MODES: dict[str, tuple[dict[str, str], list[str]]] = {
     "cli-driver-threads2": ({"EAGLE3_COMPAT_DRIVER_THREADS": "2"}, []),  # before: torch's default here
     "cli-no-pool": ({"EAGLE3_COMPAT_ARENA_POOL_BYTES": "0"}, []),  # before: a new file per sample
     "cli-in-flight-64": ({}, ["--max-in-flight", "64"]),  # before: the default was 64
+    # every prompt admitted at once, as plain prefill does (memory unbounded): a diagnostic
+    "cli-in-flight-all": ({}, ["--max-in-flight", "1000000"]),
     "cli-crc32": ({}, ["--zip-crc32"]),  # before 2026-12-05: torch.save's zip CRC-32 computed
     "cli-no-trim": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "off"}, []),  # before: the worker's heap never trimmed
     # before 2026-12-05: torch's large CPU buffers on 4 KiB pages (eagle3_compat.heap.engine_environment)
@@ -105,7 +117,7 @@ def cli_mode(mode: str) -> tuple[dict[str, str], list[str]]:
     """A mode of :data:`CLI_MODES`, or ``cli-trim-<MiB>``: the trim's threshold at that size."""
     if mode in CLI_MODES:
         return CLI_MODES[mode]
-    if mode in CLI_LAUNCHERS:
+    if mode in CLI_LAUNCHERS or mode == "cli-out-shm":
         return {}, []
     if mode.startswith("cli-trim-") and mode[len("cli-trim-"):].isdigit():
         return {"EAGLE3_COMPAT_CPU_TRIM_MIB": mode[len("cli-trim-"):]}, []
@@ -149,6 +161,43 @@ def tree_cpu(pid: int, into: dict[int, float]) -> None:
             pass
 
 
+def tree_wait(pid: int, into: dict[int, float]) -> None:
+    """Seconds each thread of ``pid`` and of its descendants waited for a core
+    while runnable (``/proc/<pid>/task/<tid>/schedstat``, 2nd field), summed by
+    pid, into ``into``: on a machine whose cores the engine's threads fill,
+    what another process's work cost them (a preempted OpenMP thread holds up
+    every thread of its parallel region)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        pids = [pid, *(c.pid for c in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return
+    for p in pids:
+        total = 0
+        try:
+            for task in os.scandir(f"/proc/{p}/task"):
+                try:
+                    with open(f"{task.path}/schedstat") as f:
+                        total += int(f.read().split()[1])
+                except (OSError, IndexError, ValueError):
+                    pass
+        except OSError:
+            continue
+        into[p] = max(into.get(p, 0.0), total / 1e9)
+
+
+def machine_cpu() -> tuple[float, float]:
+    """The machine's CPU seconds since boot: (busy: user, nice, system, irq and
+    softirq of every core; stolen by the hypervisor), from ``/proc/stat``."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq) / hz, steal / hz
+
+
 def prefill_child(model: str, prompts_file: str) -> None:
     """Plain vLLM; touches ``<prompts_file>.ready`` once the engine is up."""
     from vllm import LLM, SamplingParams
@@ -186,6 +235,9 @@ def run(cmd: list[str], ready, env: dict, memory: bool = True, log: Path | None 
     # at the engine's start: where the time after the start went
     cpu: dict[int, float] = {}
     cpu_at_ready: dict[int, float] = {}
+    wait: dict[int, float] = {}  # run-queue wait, the same way
+    wait_at_ready: dict[int, float] = {}
+    machine_at_ready = [None]  # machine_cpu() then
     stop = threading.Event()
 
     def watch():
@@ -193,10 +245,13 @@ def run(cmd: list[str], ready, env: dict, memory: bool = True, log: Path | None 
             m = tree_pss(proc.pid) if memory else 0
             r = tree_pss(proc.pid, children=False) if memory else 0
             tree_cpu(proc.pid, cpu)
+            tree_wait(proc.pid, wait)
             if base[0] is None and ready():
                 base[0], root[0] = m, r
                 t_ready[0] = time.perf_counter()
                 cpu_at_ready.update(cpu)
+                wait_at_ready.update(wait)
+                machine_at_ready[0] = machine_cpu()
             peak[0] = max(peak[0], m)
             root[1] = max(root[1], r)
             if memory and base[0] is not None:
@@ -208,6 +263,7 @@ def run(cmd: list[str], ready, env: dict, memory: bool = True, log: Path | None 
     th.start()
     out, _ = proc.communicate()
     wall = time.perf_counter() - t0
+    machine_end = machine_cpu()
     stop.set()
     th.join()
     if proc.returncode != 0:
@@ -223,7 +279,18 @@ def run(cmd: list[str], ready, env: dict, memory: bool = True, log: Path | None 
             halves[t >= mid] = max(halves[t >= mid], m)
     used = {pid: t - cpu_at_ready.get(pid, 0.0) for pid, t in cpu.items()}
     driver_cpu = used.pop(proc.pid, 0.0)
-    return {"wall": wall, "after_start": after, "peak": peak[0], "base": base[0] or 0, "out": out,
+    waited = {pid: t - wait_at_ready.get(pid, 0.0) for pid, t in wait.items()}
+    driver_wait = waited.pop(proc.pid, 0.0)
+    busy, stolen = (float("nan"),) * 2
+    if machine_at_ready[0] is not None:
+        busy = machine_end[0] - machine_at_ready[0][0]
+        stolen = machine_end[1] - machine_at_ready[0][1]
+    return {"driver_wait": driver_wait, "engine_wait": sum(waited.values()),
+            # CPU s after the start of everything else on the machine (kernel
+            # threads such as the disk's writeback, other processes), and the
+            # time the hypervisor gave the machine's cores to someone else
+            "other_cpu": busy - driver_cpu - sum(used.values()), "stolen": stolen,
+            "wall": wall, "after_start": after, "peak": peak[0], "base": base[0] or 0, "out": out,
             "driver_peak": root[1], "driver_base": root[0] or 0, "halves": halves,
             "driver_cpu": driver_cpu, "engine_cpu": sum(used.values())}
 
@@ -288,8 +355,10 @@ def main() -> int:
     modes = [m for m in args.modes.split(",") if m != "prefill"]
     print("| samples | tokens | mode | tok/s | /prefill | s after start | /prefill | peak extra MiB "
           "| of which the job's own process | peak MiB, whole tree | its 1st / 2nd half after start "
-          "| CPU s after start: the job's own process / the engine's |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| CPU s after start: the job's own process / the engine's "
+          "| s its threads waited for a core (runnable): the job's / the engine's "
+          "| CPU s after start of the rest of the machine / stolen by the hypervisor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         prompts = prompts_all[:n]
         tokens = sum(map(len, prompts))
@@ -301,6 +370,11 @@ def main() -> int:
                             lambda pfile=pfile: Path(str(pfile) + ".ready").exists(), env, None)}
         for mode in modes:
             out = work / f"out-{n}-{mode}"
+            if mode == "cli-out-shm":
+                # the samples into memory (tmpfs), not onto the disk: the
+                # kernel's writeback out of the comparison
+                out = Path("/dev/shm") / f"{work.name}-out-{n}"
+                atexit.register(shutil.rmtree, out, True)
             if mode == "cli-before":
                 if args.before_src is None:
                     raise SystemExit("mode cli-before needs --before-src")
@@ -341,7 +415,8 @@ def main() -> int:
                 timed[mode].append(once(mode, memory=False))
         sampled = {mode: None if args.no_memory else once(mode, memory=True) for mode in jobs}
         med = {mode: {k: statistics.median(r[k] for r in runs)
-                      for k in ("wall", "after_start", "driver_cpu", "engine_cpu")}
+                      for k in ("wall", "after_start", "driver_cpu", "engine_cpu", "driver_wait", "engine_wait",
+                                "other_cpu", "stolen")}
                for mode, runs in timed.items()}
         pre = med["prefill"]
         for mode in jobs:
@@ -352,7 +427,8 @@ def main() -> int:
                    f"| {m['peak'] / 2**20:.0f} | {m['halves'][0] / 2**20:.0f} / {m['halves'][1] / 2**20:.0f}")
             print(f"| {n} | {tokens} | {mode} | {tokens / r['wall']:.0f} | {pre['wall'] / r['wall']:.2f} | "
                   f"{r['after_start']:.1f}{spread} | {pre['after_start'] / r['after_start']:.2f} | {mem} "
-                  f"| {r['driver_cpu']:.1f} / {r['engine_cpu']:.1f} |",
+                  f"| {r['driver_cpu']:.1f} / {r['engine_cpu']:.1f} | {r['driver_wait']:.1f} / {r['engine_wait']:.1f} "
+                  f"| {r['other_cpu']:.1f} / {r['stolen']:.1f} |",
                   flush=True)
     return 0
 
