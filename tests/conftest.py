@@ -109,7 +109,10 @@ if not FULL:
 # other env's work and, seen once (2026-12-05, kernel 6.18), starved the
 # kernel's per-CPU page-list drain: a new engine's workers hung in
 # migrate_pages() (its thread binding) until the spinners were killed, and
-# both envs' PP tests timed out.
+# both envs' PP tests timed out.  The generator sets it for its own CPU
+# engines of several workers (eagle3_compat.heap.engine_environment; the PP
+# fixture starts one without this setting to check that); this covers every
+# other engine of the tests (plain vLLM references included).
 def _vllm_spins_when_idle() -> bool:
     from eagle3_compat.versions import detect, minor
 

@@ -209,7 +209,8 @@ def generator_init(
 
     # A CPU engine's processes start with oneDNN's primitive cache capped
     # (eagle3_compat.heap): it grows with the distinct step sizes otherwise;
-    # one of several workers with idle workers sleeping where vLLM spins them.
+    # and, with several workers, told to let them sleep when idle where this
+    # vLLM would spin them on their cores.
     workers = int(tensor_parallel_size or 1) * int(pipeline_parallel_size or 1)
     idle_sleep = workers > 1 and _knows_env(IDLE_SLEEP_ENV)
     with engine_environment(bool(current_platform.is_cpu()), idle_sleep=idle_sleep):
