@@ -142,10 +142,14 @@ def tree_pss(pid: int, children: bool = True) -> int:
     return total
 
 
-def tree_cpu(pid: int, into: dict[int, float]) -> None:
+def tree_cpu(pid: int, into: dict[int, float], waits: dict[int, float] | None = None) -> None:
     """CPU seconds (user + system) of ``pid`` and each of its descendants,
     by pid, into ``into`` (a process that has exited keeps its last value;
-    seen every 50 ms, each is at most that much short)."""
+    seen every 50 ms, each is at most that much short); and, into ``waits``,
+    the seconds each one's threads waited for a core while runnable
+    (``/proc/<pid>/task/<tid>/schedstat``, 2nd field, summed): on a machine
+    whose cores the engine's threads fill, what another thread's work cost
+    them (a preempted OpenMP thread holds up its whole parallel region)."""
     import psutil
 
     try:
@@ -158,26 +162,12 @@ def tree_cpu(pid: int, into: dict[int, float]) -> None:
             t = p.cpu_times()
             into[p.pid] = t.user + t.system
         except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-
-
-def tree_wait(pid: int, into: dict[int, float]) -> None:
-    """Seconds each thread of ``pid`` and of its descendants waited for a core
-    while runnable (``/proc/<pid>/task/<tid>/schedstat``, 2nd field), summed by
-    pid, into ``into``: on a machine whose cores the engine's threads fill,
-    what another process's work cost them (a preempted OpenMP thread holds up
-    every thread of its parallel region)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        pids = [pid, *(c.pid for c in root.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return
-    for p in pids:
+            continue
+        if waits is None:
+            continue
         total = 0
         try:
-            for task in os.scandir(f"/proc/{p}/task"):
+            for task in os.scandir(f"/proc/{p.pid}/task"):
                 try:
                     with open(f"{task.path}/schedstat") as f:
                         total += int(f.read().split()[1])
@@ -185,7 +175,7 @@ def tree_wait(pid: int, into: dict[int, float]) -> None:
                     pass
         except OSError:
             continue
-        into[p] = max(into.get(p, 0.0), total / 1e9)
+        waits[p.pid] = max(waits.get(p.pid, 0.0), total / 1e9)
 
 
 def machine_cpu() -> tuple[float, float]:
@@ -244,8 +234,7 @@ def run(cmd: list[str], ready, env: dict, memory: bool = True, log: Path | None 
         while not stop.is_set():
             m = tree_pss(proc.pid) if memory else 0
             r = tree_pss(proc.pid, children=False) if memory else 0
-            tree_cpu(proc.pid, cpu)
-            tree_wait(proc.pid, wait)
+            tree_cpu(proc.pid, cpu, wait)
             if base[0] is None and ready():
                 base[0], root[0] = m, r
                 t_ready[0] = time.perf_counter()
