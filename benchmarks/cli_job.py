@@ -18,6 +18,13 @@ a prefix of the larger), in fresh processes:
 ``cli-in-flight-all``
     every prompt admitted at once, as plain prefill has them (memory
     unbounded): a diagnostic;
+``cli-off-omp0``
+    ``cli`` with the job's threads moved off the core of the engine's
+    OpenMP thread 0 once the engine is up: a diagnostic;
+``cli-thp-no-huge``
+    ``cli`` with transparent huge pages refused to the whole process tree
+    (``prctl(PR_SET_THP_DISABLE)``): PyTorch's 2 MiB alignment without the
+    huge pages, a diagnostic;
 ``cli-driver-threads2``, ``cli-no-pool``, ``cli-in-flight-64``, ``cli-no-trim``,
 ``cli-trim-every-step``, ``cli-trim-256``, ``cli-interval-30``, ``cli-onednn-1024``
     the same with one change undone, for before/after figures in one run:
@@ -110,6 +117,10 @@ CLI_LAUNCHERS: dict[str, list[str]] = {
     # before 2026-12-05: main() without cli()'s freeze, so the interpreter's
     # collections at exit traverse every object of the process
     "cli-exit-gc": ["-c", "import sys; from eagle3_compat.__main__ import main; sys.exit(main(sys.argv[1:]))"],
+    # a diagnostic: THP_MEM_ALLOC_ENABLE's 2 MiB alignment without huge pages
+    # (prctl PR_SET_THP_DISABLE, which the engine's processes inherit)
+    "cli-thp-no-huge": ["-c", "import ctypes, sys; assert ctypes.CDLL(None).prctl(41, 1, 0, 0, 0) == 0; "
+                        "from eagle3_compat.__main__ import cli; sys.exit(cli())"],
 }
 
 
@@ -117,7 +128,7 @@ def cli_mode(mode: str) -> tuple[dict[str, str], list[str]]:
     """A mode of :data:`CLI_MODES`, or ``cli-trim-<MiB>``: the trim's threshold at that size."""
     if mode in CLI_MODES:
         return CLI_MODES[mode]
-    if mode in CLI_LAUNCHERS or mode == "cli-out-shm":
+    if mode in CLI_LAUNCHERS or mode in ("cli-out-shm", "cli-off-omp0"):
         return {}, []
     if mode.startswith("cli-trim-") and mode[len("cli-trim-"):].isdigit():
         return {"EAGLE3_COMPAT_CPU_TRIM_MIB": mode[len("cli-trim-"):]}, []
@@ -205,7 +216,35 @@ def prefill_child(model: str, prompts_file: str) -> None:
     print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
 
 
-def run(cmd: list[str], ready, env: dict, memory: bool = True, log: Path | None = None) -> dict:
+def off_engine_main(pid: int) -> None:
+    """Mode ``cli-off-omp0``: once the engine is up, every thread of the job's
+    process ``pid`` moves off the cores of the engine's processes that vLLM
+    bound to fewer cores than the job has (their main thread is OpenMP
+    thread 0, which runs the step's serial parts too); threads the job
+    starts later inherit it.  A diagnostic (a benchmark-side setting)."""
+    import psutil
+
+    mine = os.sched_getaffinity(pid)
+    engine: set[int] = set()
+    for c in psutil.Process(pid).children(recursive=True):
+        try:
+            theirs = os.sched_getaffinity(c.pid)
+        except OSError:
+            continue
+        if theirs < mine:  # bound by vLLM (OpenMP thread 0 of the engine or a worker)
+            engine |= theirs
+    new = mine - engine
+    print(f"# off-omp0: engine main threads on {sorted(engine)}, job to {sorted(new)}", file=sys.stderr)
+    if not new:
+        return
+    for task in os.scandir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(task.name), new)
+        except OSError:
+            pass
+
+
+def run(cmd: list[str], ready, env: dict, memory: bool = True, log: Path | None = None, on_ready=None) -> dict:
     """Run ``cmd``; ``ready()`` says when the engine is up (memory base).
 
     ``memory=False``: only the moment the engine is up is watched, no PSS
@@ -241,6 +280,8 @@ def run(cmd: list[str], ready, env: dict, memory: bool = True, log: Path | None 
                 cpu_at_ready.update(cpu)
                 wait_at_ready.update(wait)
                 machine_at_ready[0] = machine_cpu()
+                if on_ready is not None:
+                    on_ready(proc.pid)
             peak[0] = max(peak[0], m)
             root[1] = max(root[1], r)
             if memory and base[0] is not None:
@@ -390,7 +431,7 @@ def main() -> int:
                 args.log_dir.mkdir(parents=True, exist_ok=True)
                 runs[mode] = runs.get(mode, 0) + 1
                 log = args.log_dir / f"{n}-{mode}-{runs[mode]}.log"
-            r = run(cmd, ready, menv, memory, log)
+            r = run(cmd, ready, menv, memory, log, off_engine_main if mode == "cli-off-omp0" else None)
             if out is not None:
                 written = len(list(out.glob("data_*.pt")))
                 assert written == n, (written, n)

@@ -24,6 +24,13 @@ def test_doctor_reports_and_exits_zero():
     proc = cli("doctor")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "adapter generator-engine" in proc.stdout and proc.stdout.strip().endswith("OK")
+    # the machine's free page reporting, as eagle3_compat.heap reads it (a
+    # fact about this machine, not a problem)
+    from eagle3_compat.heap import free_page_reporting_order, huge_pages_reported
+
+    (row,) = [line for line in proc.stdout.splitlines() if line.startswith("free page reporting")]
+    assert ("none" in row) == (free_page_reporting_order() is None), row
+    assert ("huge page faults in the host" in row) == huge_pages_reported(), row
 
 
 @pytest.mark.extended

@@ -326,3 +326,59 @@ def test_engine_environment_sets_cpu_engine_defaults_only_and_restores():
         assert env[PRIMITIVE_CACHE_ENV] == "64" and env[THP_ENV] == "1"
         raise RuntimeError("engine died")
     assert env == {}
+
+
+def _sysfs(root, *, balloon: str | None, order: str | None = "9", pmd: str | None = "2097152"):
+    """A fake /sys: a virtio balloon with negotiated ``balloon`` feature bits
+    (None: no balloon), page_reporting_order, hpage_pmd_size."""
+    import os
+
+    if balloon is not None:
+        drv = root / "bus" / "virtio" / "drivers" / "virtio_balloon"
+        dev = root / "devices" / "virtio0"
+        dev.mkdir(parents=True)
+        (dev / "features").write_text(balloon + "\n")
+        drv.mkdir(parents=True)
+        os.symlink(dev, drv / "virtio0")
+        (drv / "bind").write_text("")  # the driver directory's own files are not devices
+    if order is not None:
+        p = root / "module" / "page_reporting" / "parameters"
+        p.mkdir(parents=True)
+        (p / "page_reporting_order").write_text(order + "\n")
+    if pmd is not None:
+        t = root / "kernel" / "mm" / "transparent_hugepage"
+        t.mkdir(parents=True)
+        (t / "hpage_pmd_size").write_text(pmd + "\n")
+    return str(root)
+
+
+@pytest.mark.parametrize(
+    ("balloon", "order", "pmd", "reported", "expected"),
+    [
+        ("0110010100000000", "9", "2097152", 9, True),  # Firecracker's balloon here: bit 5 (REPORTING)
+        ("0110000100000000", "9", "2097152", None, False),  # a balloon without free page reporting
+        (None, "9", "2097152", None, False),  # no balloon (bare metal, most clouds)
+        ("0000010000000000", None, "2097152", 9, True),  # an older kernel: no order parameter, pageblocks
+        ("0000010000000000", "4294967295", "2097152", 9, True),  # left at "default"
+        ("0000010000000000", "10", "2097152", 10, False),  # only 4 MiB blocks: a huge page is split from one
+        ("0000010000000000", "9", None, 9, False),  # a kernel without transparent huge pages
+        ("00000", "9", "2097152", None, False),  # a short feature string: bit 5 absent
+    ],
+)
+def test_free_page_reporting_is_read_from_sysfs(tmp_path, balloon, order, pmd, reported, expected):
+    from eagle3_compat.heap import free_page_reporting_order, huge_pages_reported
+
+    root = _sysfs(tmp_path, balloon=balloon, order=order, pmd=pmd)
+    assert free_page_reporting_order(root) == reported
+    assert huge_pages_reported(root) is expected
+
+
+def test_huge_page_order_of_this_kernel(tmp_path):
+    import os
+
+    from eagle3_compat.heap import huge_page_order
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert huge_page_order(_sysfs(tmp_path / "a", balloon=None, pmd=str(512 * page))) == 9
+    assert huge_page_order(_sysfs(tmp_path / "b", balloon=None, pmd=str(page))) is None  # not a huge page
+    assert huge_page_order(_sysfs(tmp_path / "c", balloon=None, pmd="junk")) is None

@@ -188,6 +188,15 @@ def _doctor(_args: argparse.Namespace) -> int:
         rows.append(("worker extension", f"{WORKER_EXTENSION} importable (workers import it by name)"))
     except Exception as exc:  # noqa: BLE001
         problems.append(f"worker extension not importable: {exc}")
+    from eagle3_compat.heap import free_page_reporting_order, huge_pages_reported
+
+    order = free_page_reporting_order()
+    rows.append(("free page reporting", "none (free memory stays with this machine)" if order is None else
+                 f"blocks of {2 ** order * (os.sysconf('SC_PAGE_SIZE') // 1024)} KiB and up go back to the "
+                 "hypervisor (virtio balloon)" + (
+                     ": a fresh transparent huge page faults in the host too (a CPU engine's start is slower "
+                     "with THP_MEM_ALLOC_ENABLE=1 here; benchmarks/huge_page_faults.py)"
+                     if huge_pages_reported() else "")))
     method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "(vLLM default)")
     rows.append(("worker start method", f"{method}; this process: {multiprocessing.get_start_method()}"))
     rows.append(("log level", os.environ.get("EAGLE3_COMPAT_LOG_LEVEL", "INFO")

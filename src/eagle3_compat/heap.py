@@ -58,7 +58,11 @@ from 200 to 2000 samples; ``benchmarks/cli_job.py``, mode ``cli-no-thp``
 for the job without it).  The generator therefore starts a CPU engine with
 ``THP_MEM_ALLOC_ENABLE=1`` unless the user set it (``0`` keeps PyTorch's
 default); where the system's THP setting is ``never`` it changes only the
-alignment.
+alignment.  On a virtual machine that hands free 2 MiB blocks back to its
+hypervisor (:func:`huge_pages_reported`, which ``eagle3-compat doctor``
+reports) a fresh huge page costs ~20x a 4 KiB one, and there the setting
+made a 16-layer model's engine start twice as long and its CLI job slower,
+while it still made the 4-layer job faster (issue #16): kept as the default.
 
 A CPU engine of several workers (tensor or pipeline parallel) on vLLM
 0.11-0.17 also starts with ``VLLM_SLEEP_WHEN_IDLE=1`` unless the user set
@@ -150,6 +154,81 @@ def interval_from_env(environ: dict[str, str] | None = None) -> float | None:
             seconds >= 0; the message names the variable and the value.
     """
     return _number_from_env(INTERVAL_ENV, "seconds", environ, off=False)
+
+
+# VIRTIO_BALLOON_F_REPORTING: the guest hands free blocks of memory back to
+# its hypervisor (virtio spec 1.2, 5.5.3; Linux mm/page_reporting.c).
+_BALLOON_REPORTING_BIT = 5
+_PAGEBLOCK_ORDER = 9  # what the kernel reports when page_reporting_order is left at its default (x86-64)
+
+
+def free_page_reporting_order(sysfs: str = "/sys") -> int | None:
+    """The order of the free blocks this machine reports to its hypervisor,
+    or ``None`` where it reports none.
+
+    A virtual machine with a virtio balloon that negotiated free page
+    reporting gives free blocks of at least ``2**order`` pages back to its
+    host (Firecracker, Cloud Hypervisor, QEMU ``free-page-reporting=on``);
+    the host drops their backing, and the next first touch of such a page
+    faults in the host as well.  Read from ``sysfs`` (the balloon's
+    negotiated ``features`` and ``page_reporting_order``); nothing is
+    changed.
+    """
+    drivers = os.path.join(sysfs, "bus", "virtio", "drivers", "virtio_balloon")
+    try:
+        devices = [d for d in os.listdir(drivers) if d.startswith("virtio")]
+    except OSError:
+        return None
+    reporting = False
+    for dev in devices:
+        try:
+            with open(os.path.join(drivers, dev, "features"), encoding="ascii") as fh:
+                bits = fh.read().strip()
+        except OSError:
+            continue
+        reporting = reporting or (len(bits) > _BALLOON_REPORTING_BIT and bits[_BALLOON_REPORTING_BIT] == "1")
+    if not reporting:
+        return None
+    try:
+        with open(os.path.join(sysfs, "module", "page_reporting", "parameters", "page_reporting_order"),
+                  encoding="ascii") as fh:
+            order = int(fh.read().strip())
+    except (OSError, ValueError):
+        return _PAGEBLOCK_ORDER
+    return order if 0 <= order < 64 else _PAGEBLOCK_ORDER  # -1 / unsigned -1: the default
+
+
+def huge_page_order(sysfs: str = "/sys") -> int | None:
+    """The order of a transparent huge page here (9 for 2 MiB of 4 KiB pages),
+    or ``None`` where the kernel has no transparent huge pages."""
+    try:
+        with open(os.path.join(sysfs, "kernel", "mm", "transparent_hugepage", "hpage_pmd_size"),
+                  encoding="ascii") as fh:
+            size = int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+    if size <= _PAGE or size % _PAGE:
+        return None
+    return (size // _PAGE).bit_length() - 1
+
+
+def huge_pages_reported(sysfs: str = "/sys") -> bool:
+    """Whether this machine reports free blocks as large as a transparent
+    huge page to its hypervisor (:func:`free_page_reporting_order`).
+
+    There a huge page is mostly carved from such a reported block, and its
+    first touch faults in the host as well: measured on this project's
+    2-core Firecracker machines, 0.1 GiB/s for memory free for 3 s faulted
+    in as huge pages against 2.4 GiB/s as 4 KiB pages, and 4.6 GiB/s for
+    huge pages just freed (``benchmarks/huge_page_faults.py``).  So there
+    :data:`THP_ENV` pays where a CPU engine takes fresh memory (its start:
+    +13 s for a 1.7 GB model) and gains where its steps reuse what they
+    freed; on the CLI job it gained on a 4-layer model and lost on a
+    16-layer one (issue #16, ``benchmarks/RESULTS.md``), so the engine's
+    default is unchanged and ``eagle3-compat doctor`` reports the machine.
+    """
+    reported, huge = free_page_reporting_order(sysfs), huge_page_order(sysfs)
+    return reported is not None and huge is not None and reported <= huge
 
 
 @contextlib.contextmanager
