@@ -281,7 +281,8 @@ def test_glibc_trim_returns_freed_heap_pages(no_trim):
         assert dropped > 80 and released > 80, proc.stdout
 
 
-def test_engine_environment_sets_cpu_engine_defaults_only_and_restores():
+def test_engine_environment_sets_cpu_engine_defaults_only_and_restores(monkeypatch):
+    from eagle3_compat import heap
     from eagle3_compat.heap import (
         IDLE_SLEEP_ENV,
         PRIMITIVE_CACHE_DEFAULT,
@@ -290,6 +291,7 @@ def test_engine_environment_sets_cpu_engine_defaults_only_and_restores():
         engine_environment,
     )
 
+    monkeypatch.setattr(heap, "huge_pages_reported", lambda: False)  # a machine that keeps its free memory
     assert THP_ENV == "THP_MEM_ALLOC_ENABLE"  # the name PyTorch's CPU allocator reads
     assert IDLE_SLEEP_ENV == "VLLM_SLEEP_WHEN_IDLE"  # the name vLLM 0.11-0.17 read
     env = {"PATH": "/bin"}
@@ -382,3 +384,47 @@ def test_huge_page_order_of_this_kernel(tmp_path):
     assert huge_page_order(_sysfs(tmp_path / "a", balloon=None, pmd=str(512 * page))) == 9
     assert huge_page_order(_sysfs(tmp_path / "b", balloon=None, pmd=str(page))) is None  # not a huge page
     assert huge_page_order(_sysfs(tmp_path / "c", balloon=None, pmd="junk")) is None
+
+
+def test_engine_start_without_huge_pages_where_the_host_takes_free_memory(monkeypatch):
+    """On a machine that hands free huge-page blocks to its hypervisor the
+    engine starts with huge pages refused (this process, while the engine
+    starts; its processes inherit it) and its workers take them back after
+    loading; nowhere else, and never over the user's own choice."""
+    from eagle3_compat import heap
+    from eagle3_compat.heap import START_WITHOUT_HUGE_PAGES_ENV, THP_ENV, engine_environment
+
+    if heap.huge_pages_refused() is None:
+        pytest.skip("prctl(PR_GET_THP_DISABLE) is not available here")
+    assert heap.huge_pages_refused() is False
+    monkeypatch.setattr(heap, "huge_pages_reported", lambda: True)
+    env = {}
+    with engine_environment(cpu=True, environ=env) as set_:
+        assert set_[START_WITHOUT_HUGE_PAGES_ENV] == "1" and env[THP_ENV] == "1", set_
+        assert heap.huge_pages_refused() is True  # what the engine's processes inherit
+    assert heap.huge_pages_refused() is False and env == {}
+    with pytest.raises(RuntimeError, match="engine died"), engine_environment(cpu=True, environ=env):
+        raise RuntimeError("engine died")
+    assert heap.huge_pages_refused() is False and env == {}  # restored on a failed start too
+    # not where PyTorch is not asked for huge pages (the user's own setting),
+    # not for CUDA, not on a machine that keeps its free memory, not when told
+    for kwargs, environ in (({}, {THP_ENV: "0"}), ({}, {THP_ENV: "1"}), ({"cpu": False}, {}),
+                            ({"start_without_huge_pages": False}, {})):
+        with engine_environment(**{"cpu": True, **kwargs}, environ=environ) as set_:
+            assert START_WITHOUT_HUGE_PAGES_ENV not in set_ and heap.huge_pages_refused() is False
+    monkeypatch.setattr(heap, "huge_pages_reported", lambda: False)
+    with engine_environment(cpu=True, environ={}) as set_:
+        assert START_WITHOUT_HUGE_PAGES_ENV not in set_ and heap.huge_pages_refused() is False
+    # In an engine's process: taken back only where the start refused them
+    # for this reason (the marker), not where the user's process refuses them.
+    assert heap._prctl(heap._PR_SET_THP_DISABLE, 1) is not None
+    try:
+        with engine_environment(cpu=True, environ={}, start_without_huge_pages=True) as set_:
+            assert START_WITHOUT_HUGE_PAGES_ENV not in set_  # already refused: the user's choice
+        assert heap.huge_pages_refused() is True
+        assert heap.allow_huge_pages_after_start({}) is False and heap.huge_pages_refused() is True
+        assert heap.allow_huge_pages_after_start({START_WITHOUT_HUGE_PAGES_ENV: "1"}) is True
+        assert heap.huge_pages_refused() is False
+        assert heap.allow_huge_pages_after_start({START_WITHOUT_HUGE_PAGES_ENV: "1"}) is False  # nothing to undo
+    finally:
+        heap._prctl(heap._PR_SET_THP_DISABLE, 0)

@@ -194,8 +194,9 @@ def _doctor(_args: argparse.Namespace) -> int:
     rows.append(("free page reporting", "none (free memory stays with this machine)" if order is None else
                  f"blocks of {2 ** order * (os.sysconf('SC_PAGE_SIZE') // 1024)} KiB and up go back to the "
                  "hypervisor (virtio balloon)" + (
-                     ": a fresh transparent huge page faults in the host too (a CPU engine's start is slower "
-                     "with THP_MEM_ALLOC_ENABLE=1 here; benchmarks/huge_page_faults.py)"
+                     ": a fresh transparent huge page faults in the host too, so a CPU engine starts "
+                     "without huge pages here and its workers take them back after loading "
+                     "(benchmarks/huge_page_faults.py)"
                      if huge_pages_reported() else "")))
     method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "(vLLM default)")
     rows.append(("worker start method", f"{method}; this process: {multiprocessing.get_start_method()}"))

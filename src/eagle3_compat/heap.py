@@ -61,8 +61,12 @@ default); where the system's THP setting is ``never`` it changes only the
 alignment.  On a virtual machine that hands free 2 MiB blocks back to its
 hypervisor (:func:`huge_pages_reported`, which ``eagle3-compat doctor``
 reports) a fresh huge page costs ~20x a 4 KiB one, and there the setting
-made a 16-layer model's engine start twice as long and its CLI job slower,
-while it still made the 4-layer job faster (issue #16): kept as the default.
+made a 16-layer model's engine start twice as long (loading the weights
+takes fresh memory); there the engine starts with huge pages refused and
+its workers take them back once the model is loaded
+(:func:`engine_environment`, :func:`allow_huge_pages_after_start`).  After
+the start the setting made the 4-layer CLI job faster and the 16-layer one
+slower on such a machine (issue #16): kept for the steps.
 
 A CPU engine of several workers (tensor or pipeline parallel) on vLLM
 0.11-0.17 also starts with ``VLLM_SLEEP_WHEN_IDLE=1`` unless the user set
@@ -101,6 +105,10 @@ PRIMITIVE_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 PRIMITIVE_CACHE_DEFAULT = 64
 THP_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's c10 CPU allocator (c10/core/impl/alloc_cpu.cpp)
 IDLE_SLEEP_ENV = "VLLM_SLEEP_WHEN_IDLE"  # vLLM 0.11-0.17 shm_broadcast: SpinSleepTimer, not SpinTimer
+# set (internally) where the engine's processes start with huge pages refused
+# (prctl PR_SET_THP_DISABLE, inherited) and take them back once the model is loaded
+START_WITHOUT_HUGE_PAGES_ENV = "EAGLE3_COMPAT_THP_AFTER_START"
+_PR_SET_THP_DISABLE, _PR_GET_THP_DISABLE = 41, 42  # linux/prctl.h
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -224,16 +232,52 @@ def huge_pages_reported(sysfs: str = "/sys") -> bool:
     :data:`THP_ENV` pays where a CPU engine takes fresh memory (its start:
     +13 s for a 1.7 GB model) and gains where its steps reuse what they
     freed; on the CLI job it gained on a 4-layer model and lost on a
-    16-layer one (issue #16, ``benchmarks/RESULTS.md``), so the engine's
-    default is unchanged and ``eagle3-compat doctor`` reports the machine.
+    16-layer one (issue #16, ``benchmarks/RESULTS.md``).  Where this is
+    true :func:`engine_environment` starts the engine without huge pages,
+    and ``eagle3-compat doctor`` reports the machine.
     """
     reported, huge = free_page_reporting_order(sysfs), huge_page_order(sysfs)
     return reported is not None and huge is not None and reported <= huge
 
 
+def _prctl(option: int, arg: int = 0) -> int | None:
+    """``prctl(option, arg, 0, 0, 0)``: its result, or ``None`` where it failed
+    or there is no such call (not Linux)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_int
+    result = fn(option, arg, 0, 0, 0)
+    return None if result < 0 else int(result)
+
+
+def huge_pages_refused() -> bool | None:
+    """Whether this process refuses transparent huge pages
+    (``prctl(PR_GET_THP_DISABLE)``; inherited from the process that started
+    it), or ``None`` where that cannot be read."""
+    got = _prctl(_PR_GET_THP_DISABLE)
+    return None if got is None else bool(got)
+
+
+def allow_huge_pages_after_start(environ: MutableMapping[str, str] | None = None) -> bool:
+    """In an engine's process once its model is loaded: take back the
+    transparent huge pages :func:`engine_environment` refused the engine's
+    start (only where it did so: :data:`START_WITHOUT_HUGE_PAGES_ENV`).
+    Whether it did."""
+    env = os.environ if environ is None else environ
+    if env.get(START_WITHOUT_HUGE_PAGES_ENV) != "1" or not huge_pages_refused():
+        return False
+    return _prctl(_PR_SET_THP_DISABLE, 0) is not None
+
+
 @contextlib.contextmanager
 def engine_environment(
-    cpu: bool, environ: MutableMapping[str, str] | None = None, idle_sleep: bool = False
+    cpu: bool,
+    environ: MutableMapping[str, str] | None = None,
+    idle_sleep: bool = False,
+    start_without_huge_pages: bool | None = None,
 ) -> Iterator[dict[str, str]]:
     """While the engine starts: :data:`PRIMITIVE_CACHE_ENV` at
     :data:`PRIMITIVE_CACHE_DEFAULT` and :data:`THP_ENV` at ``1`` in
@@ -243,18 +287,39 @@ def engine_environment(
     the variable), each where the user has not set it (nothing for other
     platforms), which vLLM's engine and worker processes inherit when they
     are started from this one; restored afterwards, so the user's process
-    keeps its own environment.  Yields what it set."""
+    keeps its own environment.  Yields what it set.
+
+    Where this sets :data:`THP_ENV` on a machine that hands free huge-page
+    blocks back to its hypervisor (:func:`huge_pages_reported`), the
+    engine's start also runs without huge pages: this process refuses them
+    (``prctl(PR_SET_THP_DISABLE)``, which the engine's processes inherit)
+    until the engine is up, and each capturing worker takes them back once
+    its model is loaded (:func:`allow_huge_pages_after_start`).  Loading the
+    weights takes fresh memory, where a huge page costs ~20x a 4 KiB one
+    there (the 16-layer hidden-2048 engine's start: 27 s against 13 s);
+    the steps, which reuse what they free, keep the huge pages.
+    ``start_without_huge_pages`` overrides that choice (``None``: by the
+    machine)."""
     env = os.environ if environ is None else environ
     wanted = {PRIMITIVE_CACHE_ENV: str(PRIMITIVE_CACHE_DEFAULT), THP_ENV: "1"}
     if idle_sleep:
         wanted[IDLE_SLEEP_ENV] = "1"
     updates = {name: value for name, value in wanted.items() if cpu and not env.get(name, "").strip()}
+    if start_without_huge_pages is None:
+        start_without_huge_pages = THP_ENV in updates and huge_pages_reported()
+    refused = False
+    if cpu and start_without_huge_pages and huge_pages_refused() is False:
+        refused = _prctl(_PR_SET_THP_DISABLE, 1) is not None
+        if refused:
+            updates[START_WITHOUT_HUGE_PAGES_ENV] = "1"
     for name, value in updates.items():
         env[name] = value
         log.debug("starting the CPU engine with %s=%s (set it to choose otherwise)", name, value)
     try:
         yield updates
     finally:
+        if refused:
+            _prctl(_PR_SET_THP_DISABLE, 0)
         for name, value in updates.items():
             if env.get(name) == value:
                 del env[name]

@@ -59,7 +59,14 @@ from typing import Any
 from .arena import LocalSink, ShmSink, forget_all, layout_for, probe_seen
 from .capture import CaptureError, Segment, StepLayout, StepSlicer, check_plan, clip_run, shard_rows
 from .cpu_attention import grant_amx
-from .heap import IDLE_SLEEP_ENV, PRIMITIVE_CACHE_ENV, THP_ENV, HeapTrimmer
+from .heap import (
+    IDLE_SLEEP_ENV,
+    PRIMITIVE_CACHE_ENV,
+    THP_ENV,
+    HeapTrimmer,
+    allow_huge_pages_after_start,
+    huge_pages_refused,
+)
 from .logs import attach_to_vllm_logging, get_logger
 from .offload import HostOffload, Staged
 from .runners import RUNNER_V1, UnknownRunnerError, runner_kind, runner_layout, runner_token_ids
@@ -428,6 +435,11 @@ class CaptureWorkerExtension:
         # vLLM's CPU attention runs AMX kernels without asking for the AMX
         # permission (eagle3_compat.cpu_attention): asked here, before any step.
         grant_amx(param.device)
+        # The start ran without huge pages where the machine hands free ones
+        # to its hypervisor (eagle3_compat.heap.engine_environment): the
+        # model is loaded now, the steps take them back.
+        self._e3c_anon_huge_at_setup = anon_huge_bytes()
+        self._e3c_huge_after_start = allow_huge_pages_after_start()
         # A CPU worker's heap keeps what the model's steps free and grows with
         # the steps run (eagle3_compat.heap): trimmed when it has grown.
         self._e3c_trimmer = HeapTrimmer.for_device(param.device)
@@ -923,6 +935,11 @@ class CaptureWorkerExtension:
             "thp_mem_alloc_enable": os.environ.get(THP_ENV),
             "vllm_sleep_when_idle": os.environ.get(IDLE_SLEEP_ENV),
             "anon_huge": anon_huge_bytes(),
+            # huge pages refused to the engine's start, taken back at e3c_setup
+            # (eagle3_compat.heap.engine_environment); what was huge then
+            "huge_pages_after_start": getattr(self, "_e3c_huge_after_start", None),
+            "huge_pages_refused": huge_pages_refused(),
+            "anon_huge_at_setup": getattr(self, "_e3c_anon_huge_at_setup", None),
             "rss": psutil.Process().memory_info().rss,
             "anon": anon_rss(),
             "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
