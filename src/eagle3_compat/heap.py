@@ -311,10 +311,14 @@ def engine_environment(
     if cpu and start_without_huge_pages and huge_pages_refused() is False:
         refused = _prctl(_PR_SET_THP_DISABLE, 1) is not None
         if refused:
-            updates[START_WITHOUT_HUGE_PAGES_ENV] = "1"
+            log.info("starting the CPU engine without transparent huge pages: this machine hands free huge "
+                     "pages back to its hypervisor, where a fresh one costs ~20x a 4 KiB page; the workers "
+                     "take them back once the model is loaded (set %s=1 yourself to start with them)", THP_ENV)
     for name, value in updates.items():
         env[name] = value
         log.debug("starting the CPU engine with %s=%s (set it to choose otherwise)", name, value)
+    if refused:  # the workers' word to take them back (eagle3_compat internal)
+        updates[START_WITHOUT_HUGE_PAGES_ENV] = env[START_WITHOUT_HUGE_PAGES_ENV] = "1"
     try:
         yield updates
     finally:
