@@ -170,6 +170,23 @@ _BALLOON_REPORTING_BIT = 5
 _PAGEBLOCK_ORDER = 9  # what the kernel reports when page_reporting_order is left at its default (x86-64)
 
 
+def _sysfs_text(*parts: str) -> str | None:
+    """The stripped text of the file at ``os.path.join(*parts)``, or None."""
+    try:
+        with open(os.path.join(*parts), encoding="ascii") as fh:
+            return fh.read().strip()
+    except (OSError, ValueError):
+        return None
+
+
+def _sysfs_int(*parts: str) -> int | None:
+    text = _sysfs_text(*parts)
+    try:
+        return None if text is None else int(text)
+    except ValueError:
+        return None
+
+
 def free_page_reporting_order(sysfs: str = "/sys") -> int | None:
     """The order of the free blocks this machine reports to its hypervisor,
     or ``None`` where it reports none.
@@ -187,35 +204,18 @@ def free_page_reporting_order(sysfs: str = "/sys") -> int | None:
         devices = [d for d in os.listdir(drivers) if d.startswith("virtio")]
     except OSError:
         return None
-    reporting = False
-    for dev in devices:
-        try:
-            with open(os.path.join(drivers, dev, "features"), encoding="ascii") as fh:
-                bits = fh.read().strip()
-        except OSError:
-            continue
-        reporting = reporting or (len(bits) > _BALLOON_REPORTING_BIT and bits[_BALLOON_REPORTING_BIT] == "1")
-    if not reporting:
+    features = [_sysfs_text(drivers, dev, "features") or "" for dev in devices]
+    if not any(len(bits) > _BALLOON_REPORTING_BIT and bits[_BALLOON_REPORTING_BIT] == "1" for bits in features):
         return None
-    try:
-        with open(os.path.join(sysfs, "module", "page_reporting", "parameters", "page_reporting_order"),
-                  encoding="ascii") as fh:
-            order = int(fh.read().strip())
-    except (OSError, ValueError):
-        return _PAGEBLOCK_ORDER
-    return order if 0 <= order < 64 else _PAGEBLOCK_ORDER  # -1 / unsigned -1: the default
+    order = _sysfs_int(sysfs, "module", "page_reporting", "parameters", "page_reporting_order")
+    return order if order is not None and 0 <= order < 64 else _PAGEBLOCK_ORDER  # absent, -1: the default
 
 
 def huge_page_order(sysfs: str = "/sys") -> int | None:
     """The order of a transparent huge page here (9 for 2 MiB of 4 KiB pages),
     or ``None`` where the kernel has no transparent huge pages."""
-    try:
-        with open(os.path.join(sysfs, "kernel", "mm", "transparent_hugepage", "hpage_pmd_size"),
-                  encoding="ascii") as fh:
-            size = int(fh.read().strip())
-    except (OSError, ValueError):
-        return None
-    if size <= _PAGE or size % _PAGE:
+    size = _sysfs_int(sysfs, "kernel", "mm", "transparent_hugepage", "hpage_pmd_size")
+    if size is None or size <= _PAGE or size % _PAGE:
         return None
     return (size // _PAGE).bit_length() - 1
 
