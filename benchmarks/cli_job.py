@@ -97,7 +97,9 @@ CLI_MODES: dict[str, tuple[dict[str, str], list[str]]] = {
     # every prompt admitted at once, as plain prefill does (memory unbounded): a diagnostic
     "cli-in-flight-all": ({}, ["--max-in-flight", "1000000"]),
     "cli-crc32": ({}, ["--zip-crc32"]),  # before 2026-12-05: torch.save's zip CRC-32 computed
-    "cli-no-trim": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "off"}, []),  # before: the worker's heap never trimmed
+    "cli-no-trim": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "off"}, []),
+    # before 2026-12-05: glibc's own mmap threshold in the worker (eagle3_compat.heap.reuse_step_buffers)
+    "cli-mmap-glibc": ({"EAGLE3_COMPAT_CPU_MMAP_MIB": "off"}, []),  # before: the worker's heap never trimmed
     # before 2026-12-05: torch's large CPU buffers on 4 KiB pages (eagle3_compat.heap.engine_environment)
     "cli-no-thp": ({"THP_MEM_ALLOC_ENABLE": "0"}, []),
     "cli-trim-every-step": ({"EAGLE3_COMPAT_CPU_TRIM_MIB": "0"}, []),  # a trim after every step
@@ -132,8 +134,16 @@ def cli_mode(mode: str) -> tuple[dict[str, str], list[str]]:
         return {}, []
     if mode.startswith("cli-trim-") and mode[len("cli-trim-"):].isdigit():
         return {"EAGLE3_COMPAT_CPU_TRIM_MIB": mode[len("cli-trim-"):]}, []
+    if mode.startswith("cli-mmap-") and mode[len("cli-mmap-"):].isdigit():
+        return mmap_env(int(mode[len("cli-mmap-"):])), []
     raise SystemExit(f"unknown mode {mode!r}: prefill, cli-trim-<MiB>, cli-before or one of "
                      f"{sorted([*CLI_MODES, *CLI_LAUNCHERS])}")
+
+
+def mmap_env(mib: int) -> dict[str, str]:
+    """glibc's mmap threshold fixed at ``mib`` MiB (its trim threshold at 4 GiB):
+    buffers below it come from the heap and are reused, not mapped anew."""
+    return {"MALLOC_MMAP_THRESHOLD_": str(mib << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
 def tree_pss(pid: int, children: bool = True) -> int:
@@ -383,12 +393,14 @@ def main() -> int:
           + f"; tiny Llama hidden {args.hidden}, {args.layers} layers, "
           f"bf16 (dtype auto); default layer ids; prompts median ~60 tokens")
     modes = [m for m in args.modes.split(",") if m != "prefill"]
-    print("| samples | tokens | mode | tok/s | /prefill | s after start | /prefill | peak extra MiB "
+    prefill_modes = [m for m in modes if m.startswith("prefill-mmap-")]
+    modes = [m for m in modes if m not in prefill_modes]
+    print("| samples | tokens | mode | tok/s | /prefill | s after start | /prefill | start s | peak extra MiB "
           "| of which the job's own process | peak MiB, whole tree | its 1st / 2nd half after start "
           "| CPU s after start: the job's own process / the engine's "
           "| s its threads waited for a core (runnable): the job's / the engine's "
           "| CPU s after start of the rest of the machine / stolen by the hypervisor |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         prompts = prompts_all[:n]
         tokens = sum(map(len, prompts))
@@ -398,6 +410,9 @@ def main() -> int:
         jfile.write_text("".join(json.dumps(p) + "\n" for p in prompts))
         jobs = {"prefill": ([*pin, sys.executable, __file__, "--child", str(model), str(pfile)],
                             lambda pfile=pfile: Path(str(pfile) + ".ready").exists(), env, None)}
+        for mode in prefill_modes:
+            jobs[mode] = (jobs["prefill"][0], jobs["prefill"][1],
+                          dict(env, **mmap_env(int(mode[len("prefill-mmap-"):]))), None)
         for mode in modes:
             out = work / f"out-{n}-{mode}"
             if mode == "cli-out-shm":
@@ -456,7 +471,8 @@ def main() -> int:
                    f"{(m['peak'] - m['base']) / 2**20:.0f} | {(m['driver_peak'] - m['driver_base']) / 2**20:.0f} "
                    f"| {m['peak'] / 2**20:.0f} | {m['halves'][0] / 2**20:.0f} / {m['halves'][1] / 2**20:.0f}")
             print(f"| {n} | {tokens} | {mode} | {tokens / r['wall']:.0f} | {pre['wall'] / r['wall']:.2f} | "
-                  f"{r['after_start']:.1f}{spread} | {pre['after_start'] / r['after_start']:.2f} | {mem} "
+                  f"{r['after_start']:.1f}{spread} | {pre['after_start'] / r['after_start']:.2f} | "
+                  f"{statistics.median(x['wall'] - x['after_start'] for x in timed[mode]):.1f} | {mem} "
                   f"| {r['driver_cpu']:.1f} / {r['engine_cpu']:.1f} | {r['driver_wait']:.1f} / {r['engine_wait']:.1f} "
                   f"| {r['other_cpu']:.1f} / {r['stolen']:.1f} |",
                   flush=True)

@@ -428,3 +428,72 @@ def test_engine_start_without_huge_pages_where_the_host_takes_free_memory(monkey
         assert heap.allow_huge_pages_after_start({START_WITHOUT_HUGE_PAGES_ENV: "1"}) is False  # nothing to undo
     finally:
         heap._prctl(heap._PR_SET_THP_DISABLE, 0)
+
+
+def test_reuse_step_buffers_only_for_cpu_workers_and_not_over_the_users_setting():
+    from eagle3_compat import heap
+
+    calls: list[tuple[int, int]] = []
+
+    def mallopt(param: int, value: int) -> int:
+        calls.append((param, value))
+        return 1
+
+    assert heap.MMAP_ENV == "EAGLE3_COMPAT_CPU_MMAP_MIB" and heap.DEFAULT_MMAP_MIB == 1024
+    assert heap.reuse_step_buffers("cpu", {}, mallopt) == 1024 * MiB
+    # M_MMAP_THRESHOLD, then M_TRIM_THRESHOLD at twice it (capped at mallopt's int)
+    assert calls == [(-3, 1024 * MiB), (-1, 2**31 - 1)]
+    calls.clear()
+    assert heap.reuse_step_buffers("cpu", {heap.MMAP_ENV: "256"}, mallopt) == 256 * MiB
+    assert calls == [(-3, 256 * MiB), (-1, 512 * MiB)]
+    calls.clear()
+    assert heap.reuse_step_buffers("cpu", {heap.MMAP_ENV: "8192"}, mallopt) == 2**31 - 1
+    calls.clear()
+    for device, environ in (("cuda", {}), ("cpu", {heap.MMAP_ENV: "off"}),
+                            ("cpu", {"MALLOC_MMAP_THRESHOLD_": "65536"}),
+                            ("cpu", {"MALLOC_TRIM_THRESHOLD_": "0"}),
+                            ("cpu", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4096"})):
+        assert heap.reuse_step_buffers(device, environ, mallopt) is None, (device, environ)
+    assert calls == []  # the user's own glibc setting, a GPU worker, off: glibc untouched
+    with pytest.raises(ValueError, match=heap.MMAP_ENV):
+        heap.reuse_step_buffers("cpu", {heap.MMAP_ENV: "lots"}, mallopt)
+    assert heap.reuse_step_buffers("cpu", {}, lambda p, v: 0) is None  # glibc refused: said, not assumed
+
+
+REUSE_CASE = """
+import ctypes, resource
+from eagle3_compat.heap import reuse_step_buffers
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+print(reuse_step_buffers("cpu", {"EAGLE3_COMPAT_CPU_MMAP_MIB": MIB}))
+for _ in range(3):  # a step's buffer of 96 MiB (above glibc's own 32 MiB ceiling), touched, freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    p = libc.malloc(96 << 20)
+    ctypes.memset(p, 1, 96 << 20)
+    libc.free(p)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.parametrize("mib", ["1024", "off"])
+def test_reuse_step_buffers_keeps_a_large_buffers_pages_for_the_next_step(mib):
+    """The real glibc, in a fresh interpreter (mallopt is process-wide): with
+    the threshold raised a 96 MiB buffer's pages are faulted in once and the
+    next two rounds reuse them; with glibc's own (``off``) each round maps
+    and faults all 24,576 pages anew."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", f"MIB = {mib!r}\n" + REUSE_CASE],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    threshold, *faults = proc.stdout.split()
+    pages = (96 << 20) // 4096
+    if mib == "off":
+        assert threshold == "None" and all(int(f) >= pages * 0.9 for f in faults), proc.stdout
+    else:
+        assert int(threshold) == 1024 * MiB, proc.stdout
+        assert all(int(f) < pages * 0.05 for f in faults[1:]), proc.stdout

@@ -66,6 +66,7 @@ from .heap import (
     HeapTrimmer,
     allow_huge_pages_after_start,
     huge_pages_refused,
+    reuse_step_buffers,
 )
 from .logs import attach_to_vllm_logging, get_logger
 from .offload import HostOffload, Staged
@@ -443,6 +444,9 @@ class CaptureWorkerExtension:
         # A CPU worker's heap keeps what the model's steps free and grows with
         # the steps run (eagle3_compat.heap): trimmed when it has grown.
         self._e3c_trimmer = HeapTrimmer.for_device(param.device)
+        # ... and glibc keeps its large per-step buffers for the next step
+        # rather than mapping and zeroing them at every op (eagle3_compat.heap).
+        self._e3c_mmap_threshold = reuse_step_buffers(param.device)
         pp = get_pp_group()
         stage, stages = int(pp.rank_in_group), int(pp.world_size)
         owned = _owned_layers(base, layers, stage, stages)
@@ -940,6 +944,8 @@ class CaptureWorkerExtension:
             "huge_pages_after_start": getattr(self, "_e3c_huge_after_start", None),
             "huge_pages_refused": huge_pages_refused(),
             "anon_huge_at_setup": getattr(self, "_e3c_anon_huge_at_setup", None),
+            # glibc's mmap threshold set at e3c_setup (eagle3_compat.heap.reuse_step_buffers)
+            "mmap_threshold": getattr(self, "_e3c_mmap_threshold", None),
             "rss": psutil.Process().memory_info().rss,
             "anon": anon_rss(),
             "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
