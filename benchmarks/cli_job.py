@@ -25,14 +25,19 @@ a prefix of the larger), in fresh processes:
     ``cli`` with transparent huge pages refused to the whole process tree
     (``prctl(PR_SET_THP_DISABLE)``): PyTorch's 2 MiB alignment without the
     huge pages, a diagnostic;
-``cli-driver-threads2``, ``cli-no-pool``, ``cli-in-flight-64``, ``cli-no-trim``,
+``cli-mmap-<MiB>``, ``prefill-mmap-<MiB>``
+    ``cli`` or ``prefill`` with glibc's mmap threshold fixed at that size
+    in every process of the tree (``MALLOC_MMAP_THRESHOLD_``, its trim
+    threshold at 4 GiB), from their start: a diagnostic;
+``cli-driver-threads2``, ``cli-no-pool``, ``cli-mmap-glibc``, ``cli-in-flight-64``, ``cli-no-trim``,
 ``cli-trim-every-step``, ``cli-trim-256``, ``cli-interval-30``, ``cli-onednn-1024``
     the same with one change undone, for before/after figures in one run:
     torch's default threads in the CLI's own process
     (``EAGLE3_COMPAT_DRIVER_THREADS=2``), a new shared-memory file per
     sample (``EAGLE3_COMPAT_ARENA_POOL_BYTES=0``), the earlier default of
     ``--max-in-flight`` (64, two engine steps' worth), the CPU worker's heap
-    never trimmed (``EAGLE3_COMPAT_CPU_TRIM_MIB=off``); or the trim's
+    never trimmed (``EAGLE3_COMPAT_CPU_TRIM_MIB=off``), glibc's own mmap
+    threshold in the worker (``EAGLE3_COMPAT_CPU_MMAP_MIB=off``); or the trim's
     settings changed: after every step (``=0``), at 256 MiB of growth over
     the working set (``=256``), at most once per 30 s
     (``EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S=30``); or oneDNN's primitive cache
@@ -41,7 +46,8 @@ a prefix of the larger), in fresh processes:
 
 Both times include the engine's start (the CLI cannot be timed otherwise);
 "s after start" is the time from that moment to the end (the engine's
-start, the imports and the dataset's reading left out), from a run without
+start, the imports and the dataset's reading left out; "start s" is the
+rest, median of the timed runs), from a run without
 memory sampling; memory, from a second run of each, is the peak
 proportional set size (PSS) of the process tree, sampled every 50 ms,
 minus the tree's level right after the engine started (when the job's
