@@ -405,7 +405,7 @@ def main() -> int:
           "| of which the job's own process | peak MiB, whole tree | its 1st / 2nd half after start "
           "| CPU s after start: the job's own process / the engine's "
           "| s its threads waited for a core (runnable): the job's / the engine's "
-          "| CPU s after start of the rest of the machine / stolen by the hypervisor |")
+          "| CPU s after start of the rest of the machine / stolen by the hypervisor (each run) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         prompts = prompts_all[:n]
@@ -473,6 +473,9 @@ def main() -> int:
         for mode in jobs:
             r, m = med[mode], sampled[mode]
             spread = "" if args.repeat == 1 else " (" + ", ".join(f"{x['after_start']:.1f}" for x in timed[mode]) + ")"
+            # each run's steal beside its time: a run the hypervisor took
+            # cores from is told apart from a slower job
+            stolen = "" if args.repeat == 1 else " (" + ", ".join(f"{x['stolen']:.1f}" for x in timed[mode]) + ")"
             mem = ("not measured | not measured | not measured | not measured" if m is None else
                    f"{(m['peak'] - m['base']) / 2**20:.0f} | {(m['driver_peak'] - m['driver_base']) / 2**20:.0f} "
                    f"| {m['peak'] / 2**20:.0f} | {m['halves'][0] / 2**20:.0f} / {m['halves'][1] / 2**20:.0f}")
@@ -480,7 +483,7 @@ def main() -> int:
                   f"{r['after_start']:.1f}{spread} | {pre['after_start'] / r['after_start']:.2f} | "
                   f"{statistics.median(x['wall'] - x['after_start'] for x in timed[mode]):.1f} | {mem} "
                   f"| {r['driver_cpu']:.1f} / {r['engine_cpu']:.1f} | {r['driver_wait']:.1f} / {r['engine_wait']:.1f} "
-                  f"| {r['other_cpu']:.1f} / {r['stolen']:.1f} |",
+                  f"| {r['other_cpu']:.1f} / {r['stolen']:.1f}{stolen} |",
                   flush=True)
     return 0
 
