@@ -72,6 +72,12 @@ def _pp2(model, layers, **kw):
 @pytest.fixture(scope="module")
 def pp_llama(tiny_models, two_cores, vllm_minor):
     from eagle3_compat.generator import PIPELINE_VERIFIED
+    from eagle3_compat.testing import ensure_applied
+
+    # a module-scoped fixture is set up before the module's function-scoped
+    # `applied_f32`: apply here, or a test run alone gets speculators' own
+    # generator (no pipeline_parallel_size)
+    ensure_applied("float32")
 
     if not PIPELINE_VERIFIED[0] <= vllm_minor <= PIPELINE_VERIFIED[1]:  # (module scope: before the autouse skip)
         pytest.skip(f"pipeline parallelism is refused on vLLM {vllm_minor}")

@@ -155,7 +155,7 @@ def test_messages_lines_tokenize_like_conversations(tmp_path, tiny_models):
 # a coinciding entry captured once.
 @pytest.mark.parametrize(
     ("num_layers", "expected"),
-    [(4, [2, 1, 3]), (5, [2, 4]), (6, [2, 3, 5]), (7, [2, 3, 4, 6]), (8, [2, 4, 5, 7]),
+    [(3, [2, 1, 0]), (4, [2, 1, 3]), (5, [2, 4]), (6, [2, 3, 5]), (7, [2, 3, 4, 6]), (8, [2, 4, 5, 7]),
      (32, [2, 16, 29, 31]), (61, [2, 30, 58, 60])],
 )
 def test_default_layer_ids(num_layers, expected):
@@ -164,6 +164,15 @@ def test_default_layer_ids(num_layers, expected):
     got = default_layer_ids(num_layers)
     assert got == expected
     assert validate_layer_ids(got, num_layers) == expected
+
+
+@pytest.mark.parametrize(("num_layers", "raw"), [(1, r"\[2, 0, -2, 0\]"), (2, r"\[2, 1, -1, 1\]")])
+def test_default_layer_ids_too_shallow_model_says_to_pass_them(num_layers, raw):
+    from eagle3_compat.generator import default_layer_ids
+
+    with pytest.raises(ValueError, match=rf"default layer ids .* are {raw} for this {num_layers}-layer model, "
+                                         rf"outside \[0, {num_layers - 1}\]: pass layer_ids \(--layer-ids\)"):
+        default_layer_ids(num_layers)
 
 
 @pytest.mark.engine

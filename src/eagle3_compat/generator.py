@@ -109,8 +109,15 @@ def validate_layer_ids(layer_ids: Any, num_layers: int) -> list[int]:
 def default_layer_ids(num_layers: int) -> list[int]:
     """speculators 0.3.0's default ``[2, L // 2, L - 3, L - 1]``; on very small
     models its entries coincide (6 layers: 2, 3, 3, 5) and a layer is captured
-    once, in first-seen order."""
-    return list(dict.fromkeys([2, num_layers // 2, num_layers - 3, num_layers - 1]))
+    once, in first-seen order.  Below 3 layers they do not fit the model
+    (speculators 0.3.0 failed there with a bare bounds error): a
+    ``ValueError`` that says to pass the ids."""
+    raw = [2, num_layers // 2, num_layers - 3, num_layers - 1]
+    if num_layers < 3:
+        raise ValueError(
+            f"speculators 0.3.0's default layer ids [2, L // 2, L - 3, L - 1] are {raw} for this "
+            f"{num_layers}-layer model, outside [0, {num_layers - 1}]: pass layer_ids (--layer-ids) explicitly")
+    return list(dict.fromkeys(raw))
 
 
 def generator_init(
