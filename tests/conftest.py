@@ -235,3 +235,48 @@ def _children_do_not_inherit_apply(monkeypatch):
     processes through EAGLE3_COMPAT_APPLIED; tests that start interpreters
     choose that state themselves."""
     monkeypatch.delenv("EAGLE3_COMPAT_APPLIED", raising=False)
+
+
+def orphaned_semaphores(since_ns: int) -> list[str]:
+    """multiprocessing's named semaphores (``/dev/shm/sem.mp-*``) created
+    since ``since_ns`` that no live process has mapped any more.
+
+    multiprocessing unlinks them through its resource tracker; a test that
+    SIGKILLs a whole process group kills that tracker as well, and the
+    semaphores stay (32 bytes each; seen after the CLI's interrupted-run
+    test).  A semaphore still in use is mapped by its holders, so one of
+    another env running beside this one is left alone."""
+    import glob
+
+    new = []
+    for path in glob.glob("/dev/shm/sem.mp-*"):
+        try:
+            if os.stat(path).st_mtime_ns >= since_ns:
+                new.append(path)
+        except FileNotFoundError:
+            continue
+    if not new:
+        return []
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split()[5] for line in f if "/dev/shm/sem.mp-" in line)
+        except (OSError, IndexError):
+            continue
+    return sorted(p for p in new if p not in mapped)
+
+
+@pytest.fixture
+def reap_semaphores():
+    """For tests that SIGKILL an engine's processes: afterwards, remove the
+    named semaphores the killed processes left (see ``orphaned_semaphores``)."""
+    import time
+
+    since = time.time_ns() - 1_000_000_000  # tmpfs timestamps are coarser than time_ns()
+    yield
+    for path in orphaned_semaphores(since):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

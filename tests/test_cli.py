@@ -57,6 +57,7 @@ def _write_input(path):
 
 
 @pytest.mark.extended
+@pytest.mark.usefixtures("reap_semaphores")  # SIGKILLs processes: their semaphores stay
 def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_models):
     import torch
 

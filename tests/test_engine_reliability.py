@@ -137,6 +137,7 @@ def shm_names():
 
 
 @pytest.mark.lifecycle
+@pytest.mark.usefixtures("reap_semaphores")  # SIGKILLs processes: their semaphores stay
 def test_killed_engine_is_a_clear_error_and_leaves_no_processes(model, gen):
     from speculators.data_generation import VllmHiddenStatesGenerator
 
@@ -263,6 +264,7 @@ def test_fuzz_generate_valid_or_value_error(gen, model, prompts):
 @pytest.mark.extended
 @pytest.mark.parallel
 @pytest.mark.parametrize("victim", ["worker rank 1", "worker rank 0"])
+@pytest.mark.usefixtures("reap_semaphores")  # SIGKILLs processes: their semaphores stay
 def test_killed_tensor_parallel_worker_is_a_clear_error(model, monkeypatch, victim):
     """TP 2: correct against HF float32 (35 prompts, several engine steps,
     rows split across both ranks' batches), then one worker process (a child

@@ -260,6 +260,7 @@ def _engine_children():
 @pytest.mark.extended
 @pytest.mark.parallel
 @pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.usefixtures("reap_semaphores")  # SIGKILLs processes: their semaphores stay
 def test_killed_pipeline_stage_worker_is_a_clear_error(tiny_models, two_cores, stage):
     """PP 2: the worker of either stage dies (SIGKILL) after a correct call:
     the next calls raise EngineDiedError, no process and no arena is left.

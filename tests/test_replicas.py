@@ -124,6 +124,7 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.engine
 @pytest.mark.timeout(1800)  # three engine starts and a Ray cluster's
+@pytest.mark.usefixtures("reap_semaphores")  # SIGKILLs processes: their semaphores stay
 def test_two_replicas_one_killed_give_the_files_of_one_engine(tmp_path, tiny_models):
     pytest.importorskip("ray")
     model = tiny_models("llama")

@@ -221,6 +221,7 @@ def _port_env(offset):
 @pytest.mark.engine
 @pytest.mark.once  # release-independent file logic around the engine: one env runs it
 @pytest.mark.timeout(1800)  # four engine starts, two at once
+@pytest.mark.usefixtures("reap_semaphores")  # SIGKILLs processes: their semaphores stay
 def test_two_shards_and_verify_give_the_files_of_one_run(tmp_path, tiny_models):
     import torch
 
