@@ -245,26 +245,35 @@ def orphaned_semaphores(since_ns: int) -> list[str]:
     SIGKILLs a whole process group kills that tracker as well, and the
     semaphores stay (32 bytes each; seen after the CLI's interrupted-run
     test).  A semaphore still in use is mapped by its holders, so one of
-    another env running beside this one is left alone."""
+    another env running beside this one is left alone.
+
+    Mapped is matched by inode, never by name: glibc's ``sem_open`` builds
+    the semaphore in a temporary file, maps it and only then links it under
+    its name, so its creator's ``/proc/<pid>/maps`` shows the temporary name
+    (``/dev/shm/sem.XXXXXX (deleted)``).  Matching names took every live
+    semaphore of a process that had created it as orphaned, and CI's run of
+    stop 39 lost an engine of the env beside it to that."""
     import glob
 
-    new = []
+    new: dict[int, str] = {}
     for path in glob.glob("/dev/shm/sem.mp-*"):
         try:
-            if os.stat(path).st_mtime_ns >= since_ns:
-                new.append(path)
+            st = os.stat(path)
         except FileNotFoundError:
             continue
+        if st.st_mtime_ns >= since_ns:
+            new[st.st_ino] = path
     if not new:
         return []
-    mapped: set[str] = set()
+    mapped: set[int] = set()
     for maps in glob.glob("/proc/[0-9]*/maps"):
         try:
             with open(maps) as f:
-                mapped.update(line.split()[5] for line in f if "/dev/shm/sem.mp-" in line)
-        except (OSError, IndexError):
+                # address perms offset dev inode path
+                mapped.update(int(line.split()[4]) for line in f if "/dev/shm/sem." in line)
+        except (OSError, IndexError, ValueError):
             continue
-    return sorted(p for p in new if p not in mapped)
+    return sorted(path for ino, path in new.items() if ino not in mapped)
 
 
 @pytest.fixture
