@@ -140,8 +140,17 @@ def pytest_collection_modifyitems(config, items):
         reason="lifecycle test: runs in the full and parallel tiers and the newest release's env (E3C_EDGE=1)"
     )
     once_elsewhere = pytest.mark.skip(reason="runs in one tox env only (E3C_ONCE=1: vllm016)")
+    no_gpu = None
+    if any("gpu" in item.keywords for item in items):
+        from eagle3_compat.testing import gpu_unavailable
+
+        why = gpu_unavailable()
+        no_gpu = why and pytest.mark.skip(reason=f"GPU suite: {why}")
     for item in items:
-        if "once" in item.keywords and not ONCE:
+        if "gpu" in item.keywords:
+            if no_gpu:
+                item.add_marker(no_gpu)
+        elif "once" in item.keywords and not ONCE:
             item.add_marker(once_elsewhere)
         elif "engine" in item.keywords and not HAVE_ENGINE:
             item.add_marker(no_engine)

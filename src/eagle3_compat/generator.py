@@ -21,9 +21,10 @@ views of that memory (files reused across calls: :class:`eagle3_compat.arena.Are
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -220,7 +221,13 @@ def generator_init(
     # vLLM would spin them on their cores.
     workers = int(tensor_parallel_size or 1) * int(pipeline_parallel_size or 1)
     idle_sleep = workers > 1 and _knows_env(IDLE_SLEEP_ENV)
-    with engine_environment(bool(current_platform.is_cpu()), idle_sleep=idle_sleep):
+    from .cuda_engine import cuda_engine_environment  # noqa: PLC0415
+
+    # On CUDA: spawned engine processes, and float32 Triton products in float32
+    # (eagle3_compat.cuda_engine).
+    cuda = contextlib.nullcontext() if not current_platform.is_cuda() else cuda_engine_environment(
+        opts.get("dtype"))
+    with engine_environment(bool(current_platform.is_cpu()), idle_sleep=idle_sleep), cuda:
         self.llm = LLM(
             model=model_path,
             tokenizer=model_path,

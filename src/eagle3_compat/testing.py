@@ -32,6 +32,7 @@ __all__ = [
     "VllmReference",
     "compare",
     "ensure_applied",
+    "gpu_unavailable",
     "hf_layer_outputs",
     "make_tiny_model",
     "max_rel_error",
@@ -107,10 +108,19 @@ def _config(family: str, vocab: int, layers: int, hidden: int) -> dict[str, Any]
             # Mistral-Large-3 style: queries scaled by position past 16 tokens.
             cfg["llama_4_scaling"] = {"original_max_position_embeddings": 16, "beta": 0.5}
         return cfg
+    if family == "deepseek_v3_mla":
+        # The same layout with the real model's latent sizes (kv_lora_rank 512,
+        # qk_rope_head_dim 64, 128-wide nope/v heads), so that vLLM's CUDA MLA
+        # backends (FlashMLA, FA3-MLA) accept it as they do Kimi-K2.5 /
+        # DeepSeek-V3; bfloat16 only there (no float32 MLA backend on CUDA).
+        cfg = _config("deepseek_v3_l4s", vocab, layers, hidden)
+        cfg.update({"num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512,
+                    "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128})
+        return cfg
     raise ValueError(f"unknown tiny-model family {family!r}; known: {FAMILIES}")
 
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo2", "llava", "deepseek_v3", "deepseek_v3_l4s")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo2", "llava", "deepseek_v3", "deepseek_v3_l4s", "deepseek_v3_mla")
 
 
 def _tokenizer(path: Path) -> None:
@@ -216,21 +226,28 @@ def _layer_out(out: Any) -> Any:
 
 
 def hf_layer_outputs(
-    model_path: str | Path, prompts: Sequence[Sequence[int]], layer_ids: Sequence[int]
+    model_path: str | Path,
+    prompts: Sequence[Sequence[int]],
+    layer_ids: Sequence[int],
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> list[list[Any]]:
-    """Reference (1): HF float32 outputs of decoder layers ``layer_ids``, per prompt."""
+    """Reference (1): HF outputs of decoder layers ``layer_ids``, per prompt,
+    computed on ``device`` in ``dtype`` (float32 unless told), returned on the CPU."""
     import torch  # noqa: PLC0415
     from transformers import AutoConfig  # noqa: PLC0415
 
+    torch_dtype = getattr(torch, dtype)
     model = _hf_class(AutoConfig.from_pretrained(model_path)).from_pretrained(
-        model_path, torch_dtype=torch.float32
-    )
+        model_path, torch_dtype=torch_dtype
+    ).to(device)
     model.eval()
     layers = _hf_decoder_layers(model)
     captured: dict[int, Any] = {}
     handles = [
         layers[k].register_forward_hook(
-            lambda _m, _a, out, k=k: captured.__setitem__(k, _layer_out(out)[0].clone())
+            lambda _m, _a, out, k=k: captured.__setitem__(k, _layer_out(out)[0].to("cpu", copy=True))
         )
         for k in layer_ids
     ]
@@ -239,11 +256,12 @@ def hf_layer_outputs(
         with torch.no_grad():
             for ids in prompts:
                 captured.clear()
-                model(input_ids=torch.tensor([list(ids)], dtype=torch.long))
+                model(input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device))
                 out.append([captured[k] for k in layer_ids])
     finally:
         for h in handles:
             h.remove()
+        del model
     return out
 
 
@@ -535,10 +553,13 @@ class VllmReference:
     truncated only inside ``layer_outputs``).  Use as a context manager.
     """
 
-    def __init__(self, model_path: str | Path, max_len: int, dtype: str = "float32") -> None:
+    def __init__(self, model_path: str | Path, max_len: int, dtype: str = "float32",
+                 gpu_memory_utilization: float | None = None) -> None:
         from vllm import LLM  # noqa: PLC0415
+        from vllm.platforms import current_platform  # noqa: PLC0415
 
         from .cpu_attention import engine_kwargs  # noqa: PLC0415
+        from .cuda_engine import cuda_engine_environment  # noqa: PLC0415
 
         # apply_model ships functions to the engine process with pickle; allow
         # it while this reference engine lives (the driver reads it on every
@@ -546,18 +567,23 @@ class VllmReference:
         self._saved_env = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         self.llm: Any = None
+        # A CUDA engine starts as the generator's does (spawned, float32 Triton products).
+        cuda = cuda_engine_environment(dtype) if current_platform.is_cuda() else contextlib.nullcontext()
         try:
-            self.llm = LLM(
-                model=str(model_path),
-                dtype=dtype,
-                enforce_eager=True,
-                compilation_config=0,
-                enable_prefix_caching=False,
-                max_model_len=max_len + 8,
-                max_num_batched_tokens=max(8192, max_len + 8),
-                seed=0,
-                **engine_kwargs(dtype, str(model_path)),  # as the generator starts on this CPU build
-            )
+            with cuda:
+                self.llm = LLM(
+                    model=str(model_path),
+                    dtype=dtype,
+                    enforce_eager=True,
+                    compilation_config=0,
+                    enable_prefix_caching=False,
+                    max_model_len=max_len + 8,
+                    max_num_batched_tokens=max(8192, max_len + 8),
+                    seed=0,
+                    **engine_kwargs(dtype, str(model_path)),  # as the generator starts on this CPU build
+                    **({} if gpu_memory_utilization is None else
+                       {"gpu_memory_utilization": gpu_memory_utilization}),
+                )
         except BaseException:
             self.close()
             raise
@@ -642,6 +668,27 @@ def vllm_batching_drift(
     """How much vLLM's *own* results depend on batching (see :meth:`VllmReference.batching_drift`)."""
     with VllmReference(model_path, max(len(p) for p in prompts), dtype) as ref:
         return ref.batching_drift(prompts)
+
+
+def gpu_unavailable() -> str | None:
+    """Why the GPU suite cannot run here, or None where it can: a CUDA GPU
+    that torch sees and vLLM's CUDA platform.  Checks the device count
+    before importing vLLM, so a machine without a GPU never imports it."""
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda._is_compiled():
+        return f"torch {torch.__version__} is built without CUDA"
+    if torch.cuda.device_count() < 1:
+        return "no CUDA GPU is visible (torch.cuda.device_count() == 0)"
+    try:
+        from vllm.platforms import current_platform  # noqa: PLC0415
+    except ImportError as exc:
+        return f"vLLM does not import: {exc}"
+    if not current_platform.is_cuda():
+        return f"vLLM's platform is {type(current_platform).__name__}, not CUDA (a CPU build of vLLM?)"
+    return None
 
 
 def max_rel_error(got: Any, ref: Any) -> float:
