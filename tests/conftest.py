@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -160,6 +161,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(edge_only)
         elif "lifecycle" in item.keywords and not LIFECYCLE:
             item.add_marker(lifecycle_elsewhere)
+
+
+_ENGINE_STARTS = None
+
+
+def pytest_sessionstart(session):
+    """Where tox asks for it (``E3C_REPORT_DIR``), count the engines this session starts."""
+    global _ENGINE_STARTS
+    out = os.environ.get("E3C_REPORT_DIR")
+    if out:
+        from _engine_starts import EngineStarts
+
+        _ENGINE_STARTS = EngineStarts(Path(out))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _ENGINE_STARTS is not None:
+        _ENGINE_STARTS.current = item.nodeid
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _ENGINE_STARTS is not None:
+        _ENGINE_STARTS.finish()
 
 
 _ROOT_CAUSE = ("Error:", "Error(", "Exception:", "error:", "EADDRINUSE", "Killed", "Traceback")
