@@ -3,7 +3,7 @@
 An engine start is a new ``VLLM::EngineCore`` process (vLLM titles its
 engine-core process so) among this pytest process's descendants: engines of
 the tests' own ``LLM`` objects and those of the subprocesses the tests run
-(the CLI, user scripts) alike.  A background thread looks every 0.2 s; an
+(the CLI, user scripts) alike.  A background thread looks every 0.5 s; an
 engine lives for seconds at least, so none is missed.  Each start is
 charged to the test running when it is seen (a module fixture's engine to
 the first test that uses it).  Written to ``$E3C_REPORT_DIR/engine-starts.json``
@@ -22,7 +22,7 @@ TITLE = "EngineCore"
 
 
 class EngineStarts:
-    def __init__(self, out: Path, interval_s: float = 0.2) -> None:
+    def __init__(self, out: Path, interval_s: float = 0.5) -> None:
         import psutil  # noqa: PLC0415
 
         self._psutil = psutil

@@ -14,9 +14,12 @@ another message, or nothing, fails them), and the arena's examples.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import types
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -136,6 +139,194 @@ MUTANTS = {
     "given-back-lease-reused": (arena, "        if f is None:\n", "        if False:\n"),
     "failed-file-reused": (arena, "            self._pool._retire(file)", "            self._pool._give_back(file)"),
 }
+
+
+# -- mutants with a named killer -----------------------------------------------------
+# Checks outside the capture core.  Each mutant is applied to the real module in
+# place (every caller, wherever it imported the function from, runs the mutated
+# code) and must make one named test of ``test_review_checks.py`` fail with the
+# given exception whose message matches: the test's own assertion (a
+# ``pytest.raises`` that saw nothing raises ``Failed: DID NOT RAISE``), never a
+# mutant that merely breaks.
+from eagle3_compat import __main__ as cli_mod  # noqa: E402
+from eagle3_compat import dataset, generator, offload, replicas, upstream, verify  # noqa: E402,F401
+
+_DID_NOT_RAISE = (pytest.fail.Exception, "DID NOT RAISE")
+
+# name: (module, old text, new text, killing test, (exception, message regex))
+TARGETED = {
+    # -- layer ids, checked on the driver before the engine starts ------------------------
+    "negative-layer-id-accepted": (
+        generator, "if k < 0 or k >= num_layers:", "if k >= num_layers:",
+        "test_negative_layer_id_is_refused", _DID_NOT_RAISE),
+    "only-adjacent-layer-repeats-caught": (
+        generator, "dup = sorted({k for k in ids if ids.count(k) > 1})",
+        "dup = sorted({a for a, b in zip(ids, ids[1:]) if a == b})",
+        "test_non_adjacent_repeated_layer_id_is_refused", _DID_NOT_RAISE),
+    # -- the driver's results -------------------------------------------------------------
+    "worker-reply-error-ignored": (
+        generator, '        if captured["error"]:\n', "        if False:\n",
+        "test_collect_results_raises_the_error_the_worker_reported", _DID_NOT_RAISE),
+    "only-first-stage-checked": (
+        generator, "        for st in stages:\n            try:\n",
+        "        for st in stages[:1]:\n            try:\n",
+        "test_collect_results_checks_every_pipeline_stage_against_the_plan", _DID_NOT_RAISE),
+    "non-finite-states-handed-out": (
+        generator, "if not _all_finite(t):", "if False:",
+        "test_collect_results_refuses_non_finite_hidden_states", _DID_NOT_RAISE),
+    # -- verify --------------------------------------------------------------------------
+    "state-rows-not-compared-with-tokens": (
+        verify, "h.dim() != 2 or h.shape[0] != t:", "h.dim() != 2:",
+        "test_verify_refuses_hidden_state_rows_unlike_the_tokens", (AssertionError, r"^problems \[\]")),
+    "extra-state-tensors-accepted": (
+        verify, "len(states) != n_layers:", "len(states) < n_layers:",
+        "test_verify_refuses_more_hidden_state_tensors_than_layer_ids", (AssertionError, r"^problems \[\]")),
+    "hidden-size-not-compared-with-data-config": (
+        verify, "\"hidden size\" in seen and seen[\"hidden size\"][0] != cfg_h:", "False:",
+        "test_verify_compares_the_hidden_size_with_data_config", (AssertionError, r"^problems \[\]")),
+    # -- resuming into speculators' own folder ----------------------------------------------
+    "upstream-tail-picked-by-name": (
+        dataset, "found = sorted((int(p.name[5:-3]), p) for p", "found = sorted((p.name, p) for p",
+        "test_upstream_tail_is_picked_by_index_not_by_name", _DID_NOT_RAISE),
+    "upstream-tail-last-file-only": (
+        dataset, "found[-UPSTREAM_WRITERS:]", "found[-1:]",
+        "test_upstream_tail_loads_every_file_the_writers_may_have_held", _DID_NOT_RAISE),
+    # -- token frequencies ------------------------------------------------------------------
+    "every-token-counted": (
+        dataset, "counter.update(t for t, m in zip(ids, mask) if m)", "counter.update(ids)",
+        "test_token_frequencies_count_only_tokens_under_the_loss_mask", (AssertionError, r"^token counts \{")),
+    # -- input files ----------------------------------------------------------------------
+    "short-loss-mask-accepted": (
+        dataset, "if len(mask) != len(ids):", "if len(mask) > len(ids):",
+        "test_loss_mask_shorter_or_empty_is_refused", _DID_NOT_RAISE),
+    "empty-loss-mask-made-all-ones": (
+        dataset, "                    if mask is None:\n", "                    if not mask:\n",
+        "test_loss_mask_shorter_or_empty_is_refused", _DID_NOT_RAISE),
+    "jsonl-numbered-from-one": (
+        dataset, "index = lineno - 1", "index = lineno",
+        "test_job_writes_sample_i_to_data_start_plus_i", (AssertionError, r"^files \['data_6\.pt'")),
+    "file-name-off-by-one": (
+        upstream, 'return out / f"data_{index}.pt"', 'return out / f"data_{index + 1}.pt"',
+        "test_job_writes_sample_i_to_data_start_plus_i", (AssertionError, r"^files \['data_6\.pt'")),
+    # -- the writer -------------------------------------------------------------------------
+    "lost-sample-not-reported": (
+        dataset, "if exc_type is None and self._order:", "if False:",
+        "test_writer_reports_a_sample_never_written", _DID_NOT_RAISE),
+    "lost-sample-not-reported-by-the-job": (
+        dataset, "if exc_type is None and self._order:", "if False:",
+        "test_job_fails_when_the_engine_loses_a_sample", _DID_NOT_RAISE),
+    # -- the command line's numbers ---------------------------------------------------------
+    "max-in-flight-not-checked-early": (
+        dataset, '_positive_int("--max-in-flight", max_in_flight)', "pass",
+        "test_cli_refuses_zero_prompts_in_flight", (AssertionError, "^generate went past its argument checks$")),
+    "model-length-one-accepted": (
+        dataset, '_positive_int("--max-model-len", max_model_len, minimum=2)',
+        '_positive_int("--max-model-len", max_model_len, minimum=1)',
+        "test_cli_refuses_a_model_length_without_room_for_a_token",
+        (AssertionError, "^generate went past its argument checks$")),
+    # -- replicas' bookkeeping --------------------------------------------------------------
+    "replica-chunk-not-checked": (
+        replicas, "            check_chunk_results(rank, chunk, results)\n", "",
+        "test_replica_chunk_missing_a_sample_fails_naming_it", _DID_NOT_RAISE),
+    "lost-replica-chunk-dropped": (
+        replicas, "                retry.append(chunk)\n", "",
+        "test_lost_replica_chunks_are_rerun_elsewhere_each_sample_once",
+        (AssertionError, r"^samples \(position, state\) \[")),
+    # -- the arena's free/reuse -------------------------------------------------------------
+    "partly-released-file-reused": (
+        arena, "            if not self.alive:\n", "            if len(self.alive) < len(self.layout.lengths):\n",
+        "test_arena_file_is_not_reused_while_a_prompt_of_it_is_held",
+        (AssertionError, "^a held result changed to 6.0 by a later call")),
+    "too-small-file-reused": (
+        arena, "if total <= f.capacity <= 2 * total]", "if f.capacity <= 2 * total]",
+        "test_arena_pool_reuses_only_files_that_fit", (capture.CaptureError, "^an arena file of")),
+    "released-files-kept-beyond-the-limit": (
+        arena, "            while self._free and sum(f.capacity for f in self._free) > keep:\n",
+        "            while False:\n",
+        "test_arena_pool_keeps_no_more_than_its_bytes", (AssertionError, "^pool {")),
+    # -- the offload's writer thread ----------------------------------------------------------
+    "skipped-work-keeps-its-buffers": (
+        offload, "                elif release is not None:", "                elif False:",
+        "test_offload_work_skipped_after_an_error_still_frees_its_buffers",
+        (AssertionError, r"^after the failure: \[\]")),
+}
+
+
+def _functions(obj: object) -> list[tuple[str, types.FunctionType]]:
+    """The plain functions of a class's namespace (methods, static and class
+    methods, properties' accessors), by a name unique in the class."""
+    out = []
+    for attr, v in vars(obj).items():
+        if isinstance(v, (staticmethod, classmethod)):
+            v = v.__func__
+        if isinstance(v, property):
+            out += [(f"{attr}.{k}", f) for k, f in (("get", v.fget), ("set", v.fset)) if f is not None]
+        elif inspect.isfunction(v):
+            out.append((attr, v))
+    return out
+
+
+@contextlib.contextmanager
+def mutated_in_place(module: types.ModuleType, old: str, new: str) -> Iterator[None]:
+    """Run the mutated source of ``module`` and move its code into the real
+    module's functions (their ``__code__``) and constants, for the ``with``
+    block: every reference to a function, however it was imported, runs the
+    mutant; the real module's classes and exceptions stay what they are."""
+    src = inspect.getsource(module)
+    assert src.count(old) == 1, f"mutation no longer matches {module.__name__}: {old!r}"
+    ns: dict[str, object] = {"__name__": module.__name__, "__package__": module.__package__,
+                             "__file__": module.__file__}
+    exec(compile(src.replace(old, new), module.__file__, "exec"), ns)  # noqa: S102
+    undo: list[tuple[object, str, object]] = []
+
+    def move(orig: types.FunctionType, mutant: types.FunctionType) -> None:
+        orig, mutant = inspect.unwrap(orig), inspect.unwrap(mutant)
+        if orig.__code__.co_filename != module.__file__:  # generated (dataclass methods): not mutated
+            return
+        for attr in ("__code__", "__defaults__", "__kwdefaults__"):
+            undo.append((orig, attr, getattr(orig, attr)))
+            setattr(orig, attr, getattr(mutant, attr))
+
+    for name, mutant in ns.items():
+        orig = module.__dict__.get(name)
+        if inspect.isfunction(orig) and inspect.isfunction(mutant):
+            move(orig, mutant)
+        elif inspect.isclass(orig) and inspect.isclass(mutant) and orig.__module__ == module.__name__:
+            mine = dict(_functions(orig))
+            for attr, fn in _functions(mutant):
+                if attr in mine:
+                    move(mine[attr], fn)
+        elif isinstance(orig, (int, float, str, bytes, tuple, frozenset)) and orig != mutant:
+            undo.append((module, name, orig))
+            setattr(module, name, mutant)
+    try:
+        yield
+    finally:
+        for obj, attr, value in reversed(undo):
+            setattr(obj, attr, value)
+
+
+def _run_named(test_name: str, tmp_path: Path) -> None:
+    """Call ``test_review_checks.<test_name>`` with the fixtures it takes
+    (``tmp_path``, ``monkeypatch``), undoing its monkeypatches after."""
+    import test_review_checks  # noqa: PLC0415
+
+    test = getattr(test_review_checks, test_name)
+    params = inspect.signature(test).parameters
+    assert set(params) <= {"tmp_path", "monkeypatch"}, (test_name, list(params))
+    tmp_path.mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        kw = {"tmp_path": tmp_path, "monkeypatch": mp}
+        test(**{k: kw[k] for k in params})
+
+
+@pytest.mark.parametrize("name", sorted(TARGETED))
+def test_targeted_mutant_fails_its_named_test(name, tmp_path):
+    module, old, new, killer, (error, match) = TARGETED[name]
+    _run_named(killer, tmp_path / "real")  # the killer passes on the real module ...
+    with mutated_in_place(module, old, new), pytest.raises(error, match=match):
+        _run_named(killer, tmp_path / "mutant")  # ... and fails at its own check on the mutant
+    _run_named(killer, tmp_path / "restored")  # and the real module is back
 
 
 def _load(module: types.ModuleType, name: str, code: str) -> types.ModuleType:

@@ -87,6 +87,28 @@ def check_shard_args(num_shards: int, shard_index: int) -> None:
                          "--shard-index $SLURM_ARRAY_TASK_ID)")
 
 
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def check_job_args(*, max_model_len: Any, max_in_flight: Any, tensor_parallel_size: Any,
+                   pipeline_parallel_size: Any, gpu_memory_utilization: Any) -> None:
+    """The job's numeric arguments, checked before anything heavy loads (the
+    engine would otherwise start, minutes later, and fail on them or, for
+    ``--max-model-len 1``, truncate every prompt to nothing); a
+    ``ValueError`` names the option and the value."""
+    # room for one prompt token and the one token vLLM samples
+    _positive_int("--max-model-len", max_model_len, minimum=2)
+    _positive_int("--max-in-flight", max_in_flight)
+    if tensor_parallel_size is not None:
+        _positive_int("--tensor-parallel-size", tensor_parallel_size)
+    _positive_int("--pipeline-parallel-size", pipeline_parallel_size)
+    if (isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float))
+            or not 0 < gpu_memory_utilization <= 1):
+        raise ValueError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {gpu_memory_utilization!r}")
+
+
 def manifests(output: Path) -> dict[str, dict[str, Any]]:
     """Every manifest in ``output`` (``manifest.json`` and the shard jobs'), by file name."""
     found: dict[str, dict[str, Any]] = {}
@@ -172,7 +194,11 @@ def read_jsonl(path: Path, tokenizer: Any, max_length: int) -> Iterator[Sample]:
                     ids, mask = rec, [1] * len(rec)
                 elif "input_ids" in rec:
                     ids = rec["input_ids"]
-                    mask = rec.get("loss_mask") or [1] * len(ids)
+                    # only an absent (or null) loss_mask means "every token"; an
+                    # empty or short one is refused below
+                    mask = rec.get("loss_mask")
+                    if mask is None:
+                        mask = [1] * len(ids)
                 elif "conversations" in rec or "messages" in rec:
                     if pattern is None:
                         pattern = speculators_preprocessing("_detect_assistant_pattern")(tokenizer)
@@ -457,8 +483,10 @@ class _Writer:
             if self._froze:
                 gc.unfreeze()
         if exc_type is None and self._order:
-            raise RuntimeError(f"internal: {len(self._order)} file(s) expected but never written "
-                               f"(first {self._order[0]})")
+            # a sample the engine never returned: the files after it are not
+            # published either (the folder stays a prefix), and the job fails
+            raise RuntimeError(f"{len(self._order)} sample file(s) expected but never written (first "
+                               f"{self._order[0]}): a sample was lost between the engine and the writer")
 
 
 def _preprocessed_dataset(
@@ -609,6 +637,9 @@ def run_generate(
         raise ValueError("give exactly one of --train-data-path (speculators' datasets) and --input (JSONL)")
     if start_idx < 0:
         raise ValueError(f"--start-idx must be >= 0, got {start_idx}")
+    check_job_args(max_model_len=max_model_len, max_in_flight=max_in_flight,
+                   tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                   gpu_memory_utilization=gpu_memory_utilization)
     check_shard_args(num_shards, shard_index)
     if replicas is not None:
         from .replicas import check_replica_args  # noqa: PLC0415

@@ -89,21 +89,25 @@ def _vocab_size(config: Any) -> int | None:
     return None
 
 
-def validate_layer_ids(layer_ids: Any, num_layers: int) -> list[int]:
-    """0.3.0's bounds check, plus the cases it let through silently."""
+def validate_layer_ids(layer_ids: Any, num_layers: int, name: str = "layer_ids") -> list[int]:
+    """0.3.0's bounds check, plus the cases it let through silently: a
+    negative id (Python would index from the end) and an id given twice,
+    wherever the repeats are (each would be captured twice).  ``name`` is
+    the argument the errors name (``--layer-ids`` on the command line)."""
     if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Sequence):
-        raise ValueError(f"layer_ids must be a list of ints, got {type(layer_ids).__name__}")
+        raise ValueError(f"{name} must be a list of ints, got {type(layer_ids).__name__}")
     ids = list(layer_ids)
     if not ids:
-        raise ValueError("layer_ids is empty: give at least one decoder layer index")
+        raise ValueError(f"{name} is empty: give at least one decoder layer index")
     for k in ids:
         if isinstance(k, bool) or not isinstance(k, int):
-            raise ValueError(f"layer_ids must be ints, got {k!r}")
+            raise ValueError(f"{name} must be ints, got {k!r}")
         if k < 0 or k >= num_layers:
-            raise ValueError(f"Layer index {k} out of bounds [0, {num_layers - 1}]")
+            raise ValueError(f"{name}: layer index {k} out of bounds [0, {num_layers - 1}] "
+                             f"for a {num_layers}-layer model")
     dup = sorted({k for k in ids if ids.count(k) > 1})
     if dup:
-        raise ValueError(f"layer_ids repeats {dup}: each layer can be captured once")
+        raise ValueError(f"{name} {ids} repeats {dup}: each layer can be captured once")
     return ids
 
 

@@ -216,23 +216,33 @@ class HostOffload:
         return Staged(None, self._copy_on_side_stream(pairs) if pairs else None)
 
     # -- the work that uses the rows ---------------------------------------------
-    def run(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (which waits on its ``Staged`` rows) off the step's critical path."""
+    def run(self, fn: Callable[[], None], release: Callable[[], None] | None = None) -> None:
+        """Run ``fn`` (which waits on its ``Staged`` rows) off the step's critical path.
+
+        ``release``: gives back what ``fn`` would have given back (its staging
+        buffers) when ``fn`` is skipped because earlier work failed; without
+        it those buffers would never return to their pools and the next
+        :meth:`submit` of their slot would wait for ever, hanging the step.
+        """
         if not self.cuda:
             fn()
             return
-        self._work.put(fn)
+        self._work.put((fn, release))
 
     def _writer(self) -> None:
         while True:
-            fn = self._work.get()
+            item = self._work.get()
             try:
-                if fn is None:
+                if item is None:
                     return
+                fn, release = item
                 if self._error is None:
                     fn()
+                elif release is not None:  # the call already failed: free its buffers only
+                    release()
             except BaseException as exc:  # noqa: BLE001 - re-raised by drain()
-                self._error = exc
+                if self._error is None:
+                    self._error = exc
             finally:
                 self._work.task_done()
 

@@ -169,6 +169,20 @@ def cpu_binding(cpus: list[int], slot: int, slots: int, workers: int) -> str | N
     return "|".join(lists)
 
 
+def check_chunk_results(rank: int, chunk: list[tuple[int, Any]], results: list[tuple[int, Any]]) -> None:
+    """A replica's answer for ``chunk`` holds each of its positions exactly
+    once: a sample missing would never be written, one repeated or foreign
+    would be written over another's file."""
+    want = sorted(k for k, _ in chunk)
+    got = sorted(k for k, _ in results)
+    if got != want:
+        lost = sorted(set(want) - set(got))
+        extra = sorted(k for k in set(got) if got.count(k) > 1 or k not in want)
+        raise RuntimeError(
+            f"replica {rank} answered a chunk of prompts {want[0]}..{want[-1]} with {len(got)} samples "
+            f"for {len(want)} (missing positions {lost[:10]}, repeated or foreign {extra[:10]})")
+
+
 def _actor_class(ray: Any, num_cpus: float, num_gpus: float) -> Any:
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0)(_Replica)
 
@@ -247,6 +261,10 @@ class RayReplicas:
                                 r, type(exc).__name__)
             if not layer_ids:
                 raise RuntimeError(f"none of the {self._n} replicas started (all died: see Ray's log above)")
+            # the files of one job hold one set of layers, whichever replica made them
+            odd = {r: ids for r, ids in zip(self._actors, layer_ids) if ids != layer_ids[0]}
+            if odd:
+                raise RuntimeError(f"the replicas capture different layers: {layer_ids[0]} and {odd}")
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -322,6 +340,7 @@ class RayReplicas:
                                 rank, type(exc).__name__, len(self._actors))
                 retry.append(chunk)
                 continue
+            check_chunk_results(rank, chunk, results)
             for k, packed in results:
                 yield k, unpack_sample(packed)
 

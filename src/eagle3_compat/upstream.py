@@ -96,12 +96,12 @@ def check_layer_plan(
     for speculators 0.3.0's trainer): exactly 4 ids, ascending, the last one
     the final decoder layer ``num_layers - 1``, captured as layer outputs.
     """
-    ids = default_layer_ids(num_layers) if layer_ids is None else list(layer_ids)
-    ids = validate_layer_ids(ids, num_layers)
+    where = "the default layer ids" if layer_ids is None else "--layer-ids"
+    ids = default_layer_ids(num_layers) if layer_ids is None else layer_ids
+    ids = validate_layer_ids(ids, num_layers, name=where)
     if not trainer_checks:
         return ids
     last = num_layers - 1
-    where = "the default layer ids" if layer_ids is None else "--layer-ids"
     suggestion = _suggest(num_layers)
     fix = (f"pass e.g. --layer-ids {' '.join(map(str, suggestion))}, or {OPT_OUT_FLAG} if the "
            "files are not for speculators' trainer") if suggestion else (

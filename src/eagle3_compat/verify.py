@@ -223,10 +223,20 @@ def verify_folder(output: Path, *, token_freq_path: str | None = None, write: bo
             res.problems.append(problem)
         else:
             res.samples += 1
-    if num_shards > 1:
-        cfg_h = ((first.get("data_config") or {}).get("model") or {}).get("hidden_size")
-        if cfg_h is not None and "hidden size" in seen and seen["hidden size"][0] != cfg_h:
-            res.problems.append(f"the files' hidden size {seen['hidden size'][0]}, data_config says {cfg_h}")
+    # The hidden size speculators' data_config records (the jobs' copy for a
+    # sharded folder, the folder's data_config.json otherwise) must be the files'.
+    cfg, cfg_where = (first.get("data_config") or {}), f"{first_name}'s data_config"
+    if num_shards == 1:
+        cfg, cfg_where = {}, DATA_CONFIG
+        if (output / DATA_CONFIG).exists():
+            try:
+                cfg = json.loads((output / DATA_CONFIG).read_text())
+            except (OSError, ValueError) as exc:
+                res.problems.append(f"{DATA_CONFIG} does not read ({exc})")
+    cfg_h = ((cfg if isinstance(cfg, dict) else {}).get("model") or {}).get("hidden_size")
+    if cfg_h is not None and "hidden size" in seen and seen["hidden size"][0] != cfg_h:
+        res.problems.append(f"the files' hidden size {seen['hidden size'][0]} ({seen['hidden size'][1]}), "
+                            f"{cfg_where} says {cfg_h}")
     token_freq: Counter | None = None
     tf_target = token_freq_path if token_freq_path is not None else first.get("token_freq_path")
     if num_shards > 1:

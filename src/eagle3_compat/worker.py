@@ -637,7 +637,7 @@ class CaptureWorkerExtension:
             step.release()
             call.error = call.error or str(exc)
             return
-        self._e3c_offload.run(lambda: call.process(step, layout, slots))  # type: ignore[union-attr]
+        self._e3c_offload.run(lambda: call.process(step, layout, slots), step.release)  # type: ignore[union-attr]
 
     # -- per call ---------------------------------------------------------------
     # A call: e3c_arm, then e3c_add for each group of prompts (with the
