@@ -40,7 +40,30 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_compat.testing import gpu_unavailable
+
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
+
+# ``tests/conftest.py`` sets variables for vLLM's CPU platform before any
+# engine starts (MLA disabled, spawned workers, a CPU KV-cache size).  With a
+# CUDA GPU they are removed again where they hold exactly those values, so
+# the engines here run MLA (FlashMLA / FA3-MLA) and the start method the
+# library chooses itself (``eagle3_compat.cuda_engine``).  Nothing changes
+# without a GPU (the suite is skipped there).  This is not a conftest.py of
+# its own: pytest would import it as ``conftest`` ahead of tests/conftest.py,
+# which the CPU tests import names from.
+CPU_PLATFORM_ENV = {"VLLM_MLA_DISABLE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+                    "VLLM_CPU_KVCACHE_SPACE": "1"}
+if gpu_unavailable() is None:
+    for _name, _value in CPU_PLATFORM_ENV.items():
+        if os.environ.get(_name) == _value:
+            del os.environ[_name]
+    # vLLM 0.25's sampler probes FlashInfer at load time; a `pip install vllm`
+    # brings it, a vLLM without it needs the probe off.
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 MAX_MODEL_LEN = 4096
 LAYERS = [0, 2, 3, 5]  # of 6: first and last layer included
