@@ -149,7 +149,7 @@ MUTANTS = {
 # ``pytest.raises`` that saw nothing raises ``Failed: DID NOT RAISE``), never a
 # mutant that merely breaks.
 from eagle3_compat import __main__ as cli_mod  # noqa: E402
-from eagle3_compat import dataset, generator, offload, replicas, upstream, verify  # noqa: E402,F401
+from eagle3_compat import dataset, generator, numerics, offload, replicas, upstream, verify  # noqa: E402,F401
 
 _DID_NOT_RAISE = (pytest.fail.Exception, "DID NOT RAISE")
 
@@ -174,6 +174,21 @@ TARGETED = {
     "non-finite-states-handed-out": (
         generator, "if not _all_finite(t):", "if False:",
         "test_collect_results_refuses_non_finite_hidden_states", _DID_NOT_RAISE),
+    # -- verify --numerics ---------------------------------------------------------------
+    "numerics-rows-one-late": (
+        numerics, "lp = _log_probs(rows[lo:hi], norm_w, head_w, eps)",
+        "lp = _log_probs(rows[lo + 1:hi + 1], norm_w, head_w, eps)",
+        "test_numerics::test_logits_agreement_counts_positions_and_near_ties", (AssertionError, "")),
+    "numerics-near-ties-refused": (
+        numerics, "if float(lp[j, top1]) >= float(best[j]) - tie:", "if float(lp[j, top1]) >= float(best[j]):",
+        "test_numerics::test_logits_agreement_counts_positions_and_near_ties", (AssertionError, "")),
+    "numerics-rows-not-compared-with-tokens": (
+        numerics, "if h.dim() != 2 or h.shape[0] != len(ids):", "if h.dim() != 2:",
+        "test_numerics::test_shape_problems_are_named", (AssertionError, "")),
+    "numerics-sampled-by-name": (
+        numerics, "found = sorted(int(m.group(1)) for p in folder.glob(\"data_*.pt\")",
+        "found = list(int(m.group(1)) for p in sorted(folder.glob(\"data_*.pt\"))",
+        "test_numerics::test_sample_indices_spread_by_index_not_name", (AssertionError, "")),
     # -- verify --------------------------------------------------------------------------
     "state-rows-not-compared-with-tokens": (
         verify, "h.dim() != 2 or h.shape[0] != t:", "h.dim() != 2:",
@@ -307,11 +322,13 @@ def mutated_in_place(module: types.ModuleType, old: str, new: str) -> Iterator[N
 
 
 def _run_named(test_name: str, tmp_path: Path) -> None:
-    """Call ``test_review_checks.<test_name>`` with the fixtures it takes
-    (``tmp_path``, ``monkeypatch``), undoing its monkeypatches after."""
-    import test_review_checks  # noqa: PLC0415
+    """Call ``test_review_checks.<test_name>`` (or ``<module>::<test_name>``)
+    with the fixtures it takes (``tmp_path``, ``monkeypatch``), undoing its
+    monkeypatches after."""
+    import importlib  # noqa: PLC0415
 
-    test = getattr(test_review_checks, test_name)
+    module_name, _, name = test_name.rpartition("::")
+    test = getattr(importlib.import_module(module_name or "test_review_checks"), name)
     params = inspect.signature(test).parameters
     assert set(params) <= {"tmp_path", "monkeypatch"}, (test_name, list(params))
     tmp_path.mkdir()

@@ -109,6 +109,8 @@ def test_generate_interrupted_then_resumed_loads_in_speculators(tmp_path, tiny_m
     assert all(r.CRC == 0 for r in zipfile.ZipFile(out / "data_0.pt").infolist())
     config = json.loads((out / "data_config.json").read_text())  # speculators' DataGenerationConfig
     assert config["hidden_states"]["layer_ids"] == [0, 2, 4, 5] and config["data"]["num_samples"] == n
+    assert config["hidden_states"]["layer_convention"] == manifest["layer_convention"]
+    assert manifest["layer_convention"].startswith("output of decoder layer k before the final norm")
     # resuming into this folder with another convention or other layers: refused
     for change in (["--capture", "layer_input", "--no-trainer-checks"], ["--layer-ids", "0,2,3,5"]):
         bad = cli(*args, *change)

@@ -138,6 +138,29 @@ def _verify(args: argparse.Namespace) -> int:
     for path in res.written:
         print(f"wrote {path}")
     print(f"OK: {res.samples} samples in {args.folder}")
+    from eagle3_compat.numerics import folder_settings
+
+    try:
+        print(f"layer convention: {folder_settings(Path(args.folder))['convention']}")
+    except ValueError:
+        pass
+    if args.numerics:
+        return _numerics(args)
+    return 0
+
+
+def _numerics(args: argparse.Namespace) -> int:
+    from eagle3_compat.numerics import check_numerics
+
+    res = check_numerics(args.folder, model=args.model, samples=args.numerics_samples,
+                         threshold=args.numerics_threshold)
+    print(res.table())
+    if not res.ok:
+        bad = ", ".join(str(s.index) for s in res.failed)
+        print(f"NUMERICS FAILED: {len(res.failed)} of {len(res.samples)} sampled records disagree with the "
+              f"model (sample(s) {bad})")
+        return 1
+    print(f"NUMERICS OK: {len(res.samples)} sampled records agree with the model")
     return 0
 
 
@@ -313,6 +336,15 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--token-freq-path", default=None,
                    help="where the merged token frequencies go (default: the jobs' --token-freq-path)")
     v.add_argument("--check-only", action="store_true", help="check, write nothing")
+    v.add_argument("--numerics", action="store_true",
+                   help="also check the states' numbers on a sample of records: the final norm and LM head "
+                        "applied to the last layer against the engine's own prompt log-probs (when the last "
+                        "id is the final layer), else recomputed with Hugging Face; exit 1 below the threshold")
+    v.add_argument("--model", default=None, help="--numerics: the model (default: the folder's)")
+    v.add_argument("--numerics-samples", type=int, default=8, metavar="N",
+                   help="--numerics: records checked, spread over the folder (default %(default)s)")
+    v.add_argument("--numerics-threshold", type=float, default=None, metavar="F",
+                   help="--numerics: agreement a record needs (default 0.95 float32, 0.90 bfloat16)")
     r = sub.add_parser(
         "run", help="run a Python program (e.g. speculators' own scripts) with apply() in effect in it "
                     "and its child processes: eagle3-compat run [--dtype D] SCRIPT|-m MODULE [ARGS...]")

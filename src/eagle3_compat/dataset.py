@@ -816,6 +816,8 @@ def run_generate(
             train_data_path=source, seq_length=max_model_len, cache_dir=cache_dir.result(),
             num_samples=counts["seen"], max_samples=max_samples, seed=seed)
     data_config["reproducibility"]["command"] = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    # what a captured state is; speculators never reads this file back, so the key is ours to add
+    data_config.setdefault("hidden_states", {})["layer_convention"] = CONVENTIONS[capture]
     log.info("%d samples, %d written now", counts["owned"], counts["todo"])
     shard_tf: str | None = None
     if sharded:
