@@ -88,3 +88,47 @@ def test_llama_4_scaling_reaches_the_layers(tiny_models, vllm_minor):
             out[name] = g.generate([prompt])[0]["hidden_states"][0]
     assert max_rel_error(out["scaled"][:16], out["plain"][:16]) < 1e-5
     assert max_rel_error(out["scaled"][16:], out["plain"][16:]) > 1e-2
+
+
+# Full suite only (vllm016): one more engine pair per env would lengthen the
+# other envs' CI runs.
+@pytest.mark.extended
+def test_kimi_k25_matches_vllm_forward(tiny_models, vllm_minor):
+    """Kimi-K2.5 (KimiK25ForConditionalGeneration: a MoonViT vision tower and
+    projector in front of a DeepseekV3 text model; MLA disabled on the CPU):
+    text prompts, the capture on the text model's decoder layers behind
+    get_language_model(), every row of every layer against vLLM's own forward."""
+    from vllm.model_executor.models import ModelRegistry
+
+    if "KimiK25ForConditionalGeneration" not in ModelRegistry.get_supported_archs():
+        pytest.skip(f"vLLM {vllm_minor[0]}.{vllm_minor[1]} has no Kimi-K2.5 model")
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    from eagle3_compat.testing import VllmReference, compare
+
+    model = tiny_models("kimi_k25", layers=4)
+    layers = [3, 0, 1]  # the last layer, the dense layer, the first MoE layer; unsorted
+    # lengths 1, 2, 90 and 89 (past the YaRN rope's 64 original positions)
+    prompts = mixed_prompts(4, 90, seed=13)
+    with VllmReference(model, max(map(len, prompts))) as engine:
+        ref = engine.layer_outputs(prompts, layers)
+        drift = engine.batching_drift(prompts)
+    with VllmHiddenStatesGenerator(str(model), layer_ids=layers, max_model_len=128) as g:
+        info = g._e3c_worker_info
+        results = _one_by_one(g, prompts)
+        batched = g.generate(prompts)
+    # the hooks sit on the text model's 4 decoder layers (hidden 256), not the vision tower's
+    assert (info["model"], info["num_layers"], info["hidden_size"]) == ("KimiK25ForConditionalGeneration", 4, 256)
+    worst = compare(results, ref, prompts, layers, 1e-5)
+    print(f"kimi_k25: max relative error vs vLLM forward {worst:.2e}")
+    # Several prompts in one step: as for DeepseekV3, vLLM's own MoE forward on
+    # this CPU may depend on the batch; rows, shapes and order always, values
+    # where vLLM itself is batch-invariant (and the first prompt in any case).
+    for r, p in zip(batched, prompts):
+        assert r["input_ids"].tolist() == p
+        assert [tuple(h.shape) for h in r["hidden_states"]] == [(len(p), 256)] * len(layers)
+    compare(batched[:1], ref[:1], prompts[:1], layers, 1e-5)
+    if drift < 1e-4:
+        compare(batched, ref, prompts, layers, 1e-5)
+    else:
+        print(f"kimi_k25: vLLM's own batching drift {drift:.2f} nats; batched states not compared")

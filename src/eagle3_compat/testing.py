@@ -117,10 +117,54 @@ def _config(family: str, vocab: int, layers: int, hidden: int) -> dict[str, Any]
         cfg.update({"num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512,
                     "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128})
         return cfg
+    if family == "kimi_k25":
+        return _kimi_k25_config(vocab, layers, hidden)
     raise ValueError(f"unknown tiny-model family {family!r}; known: {FAMILIES}")
 
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo2", "llava", "deepseek_v3", "deepseek_v3_l4s", "deepseek_v3_mla")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo2", "llava", "deepseek_v3", "deepseek_v3_l4s", "deepseek_v3_mla",
+            "kimi_k25")
+
+# Kimi-K2.5's media placeholder ("<|media_pad|>"): a special token of the
+# tiny tokenizer, right after its words (vLLM's processor looks for this id).
+_KIMI_MEDIA_TOKEN = 4 + _WORDS
+# The latent sizes of the real Kimi-K2.5 / DeepSeek-V3 attention (MLA), which
+# vLLM's CUDA MLA backends require; ``make_tiny_model(..., mla=True)``.
+_REAL_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+
+
+def _kimi_k25_config(vocab: int, layers: int, hidden: int, *, mla: bool = False,
+                     llama_4_scaling: bool = False) -> dict[str, Any]:
+    """Kimi-K2.5 at toy size: vLLM's ``KimiK25Config`` layout (MoonViT vision
+    tower + patch-merging projector in front of a DeepseekV3 text model).
+
+    The text model is the ``deepseek_v3`` family's (dense first layer, MoE
+    after it, MLA), with YaRN rope scaling as the real checkpoint has it
+    (``max_position_embeddings`` = original positions x factor, which vLLM
+    takes as the longest sequence).  ``auto_map``
+    names the configuration module written next to config.json (as the real
+    checkpoint's), so that ``AutoConfig`` with ``trust_remote_code`` reads it
+    offline; vLLM uses its own ``KimiK25Config`` for ``model_type`` kimi_k25.
+    """
+    text = _config("deepseek_v3_l4s" if llama_4_scaling else "deepseek_v3", vocab, layers, hidden)
+    text.pop("architectures")
+    text["rope_scaling"] = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 64,
+                            "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    if mla:
+        text.update({"num_attention_heads": 16, "num_key_value_heads": 16, **_REAL_MLA})
+    vision = {"model_type": "kimi_k25_vision", "patch_size": 14, "init_pos_emb_height": 8,
+              "init_pos_emb_width": 8, "init_pos_emb_time": 4, "pos_emb_type": "divided_fixed",
+              "num_attention_heads": 2, "num_hidden_layers": 1, "hidden_size": 64,
+              "intermediate_size": 128, "merge_kernel_size": [2, 2],
+              "video_attn_type": "spatial_temporal", "merge_type": "sd2_tpool",
+              "mm_projector_type": "patchmerger", "mm_hidden_size": hidden,
+              "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5}
+    return {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+            "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
+            "text_config": text, "vision_config": vision,
+            "media_placeholder_token_id": _KIMI_MEDIA_TOKEN, "pad_token_id": 0,
+            "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+            "use_unified_vision_chunk": False, "torch_dtype": "float32"}
 
 
 def _tokenizer(path: Path) -> None:
@@ -150,12 +194,25 @@ def make_tiny_model(
     hidden: int = 256,
     vocab: int = 512,
     seed: int = 0,
+    mla: bool = False,
+    llama_4_scaling: bool = False,
 ) -> Path:
-    """Write a random-weight HF checkpoint (float32) with a local tokenizer to ``path``."""
+    """Write a random-weight HF checkpoint (float32) with a local tokenizer to ``path``.
+
+    ``mla`` and ``llama_4_scaling`` (family ``kimi_k25`` only): the real
+    model's MLA latent sizes (16 heads; for vLLM's CUDA MLA backends), and
+    Mistral-Large-3's query scaling past 16 positions in the text model.
+    """
     import torch  # noqa: PLC0415
     from transformers import AutoConfig  # noqa: PLC0415
 
     path = Path(path)
+    if family == "kimi_k25":
+        return _make_kimi_k25(path, layers=layers, hidden=hidden, vocab=vocab, seed=seed, mla=mla,
+                              llama_4_scaling=llama_4_scaling)
+    if mla or llama_4_scaling:
+        raise ValueError(f"mla/llama_4_scaling are options of the kimi_k25 family, not of {family!r} "
+                         "(use deepseek_v3_mla / deepseek_v3_l4s)")
     path.mkdir(parents=True, exist_ok=True)
     cfg_dict = _config(family, vocab, layers, hidden)
     (path / "config.json").write_text(json.dumps(cfg_dict, indent=1))
@@ -174,6 +231,171 @@ def make_tiny_model(
     if family == "llava":
         _llava_processor(path)
     return path
+
+
+# The checkpoint's own configuration module (``auto_map``), as the real
+# Kimi-K2.5 repository ships one: transformers has no kimi_k25 model type.
+_KIMI_CONFIG_MODULE = '''"""Kimi-K2.5 configuration of a tiny test checkpoint (eagle3_compat.testing)."""
+
+from transformers import DeepseekV3Config, PretrainedConfig
+
+
+class KimiK25Config(PretrainedConfig):
+    model_type = "kimi_k25"
+
+    def __init__(self, text_config=None, vision_config=None, media_placeholder_token_id=0,
+                 pad_token_id=0, **kwargs):
+        if not isinstance(text_config, DeepseekV3Config):
+            text_config = DeepseekV3Config(**(text_config or {}))
+        self.text_config = text_config
+        self.vision_config = dict(vision_config or {})
+        self.media_placeholder_token_id = media_placeholder_token_id
+        super().__init__(pad_token_id=pad_token_id, **kwargs)
+
+    @property
+    def hidden_size(self):
+        return self.text_config.hidden_size
+
+    @property
+    def vocab_size(self):
+        return self.text_config.vocab_size
+
+    @property
+    def num_hidden_layers(self):
+        return self.text_config.num_hidden_layers
+'''
+
+# The image processor vLLM's Kimi-K2.5 processing builds at engine start
+# (``trust_remote_code``, from preprocessor_config.json's ``auto_map``), even
+# for text prompts.  Every image and frame is resized to a fixed grid of
+# patches: a few vision tokens, so that vLLM's encoder profiling stays small.
+_KIMI_PROCESSOR_MODULE = '''"""Image processor of a tiny Kimi-K2.5 test checkpoint (eagle3_compat.testing)."""
+
+import numpy as np
+import torch
+from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
+
+
+class TinyKimiK25VisionProcessor(BaseImageProcessor):
+    model_input_names = ["pixel_values", "grid_thws"]
+
+    def __init__(self, patch_size=14, merge_kernel_size=(2, 2), grid=(4, 4),
+                 num_frames_per_chunk=4, **kwargs):
+        super().__init__(**kwargs)
+        self.patch_size = int(patch_size)
+        self.merge_kernel_size = list(merge_kernel_size)
+        self.grid = list(grid)
+        self.num_frames_per_chunk = int(num_frames_per_chunk)
+
+    def _frames(self, chunk):
+        if chunk["type"] == "image":
+            return [chunk["image"]]
+        if chunk["type"] == "video_chunk":
+            return list(chunk["video_chunk"])
+        raise ValueError(f"unknown vision chunk type {chunk['type']!r}")
+
+    def media_tokens_calculator(self, chunk):
+        # temporal pooling: one set of merged patches per chunk
+        return (self.grid[0] // self.merge_kernel_size[0]) * (self.grid[1] // self.merge_kernel_size[1])
+
+    def split_video_chunks(self, video):
+        n = self.num_frames_per_chunk
+        return [{"type": "video_chunk", "video_chunk": list(video[i:i + n])} for i in range(0, len(video), n)]
+
+    def preprocess(self, chunks, **kwargs):
+        p, (gh, gw) = self.patch_size, self.grid
+        patches, grids = [], []
+        for chunk in chunks:
+            frames = self._frames(chunk)
+            for frame in frames:
+                img = frame.convert("RGB").resize((gw * p, gh * p))
+                x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
+                x = x.reshape(3, gh, p, gw, p).permute(1, 3, 0, 2, 4).reshape(gh * gw, 3, p, p)
+                patches.append(x)
+            grids.append([len(frames), gh, gw])
+        return BatchFeature({"pixel_values": torch.cat(patches), "grid_thws": torch.tensor(grids)})
+'''
+
+
+def _make_kimi_k25(path: Path, *, layers: int, hidden: int, vocab: int, seed: int, mla: bool,
+                   llama_4_scaling: bool) -> Path:
+    """The ``kimi_k25`` checkpoint: the text model's weights from transformers'
+    DeepseekV3 (under ``language_model.``), the vision tower's and projector's
+    random, in the names and shapes of vLLM's Kimi-K2.5 modules."""
+    import torch  # noqa: PLC0415
+    from safetensors.torch import save_file  # noqa: PLC0415
+    from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config  # noqa: PLC0415
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = _kimi_k25_config(vocab, layers, hidden, mla=mla, llama_4_scaling=llama_4_scaling)
+    (path / "configuration_kimi_k25.py").write_text(_KIMI_CONFIG_MODULE)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    # the checkpoint's configuration reads back (offline, from the local module)
+    loaded = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    if loaded.text_config.num_hidden_layers != layers:
+        raise RuntimeError(f"{path}: configuration_kimi_k25 read {loaded.text_config.num_hidden_layers} "
+                           f"layers, wrote {layers}")
+    torch.manual_seed(seed)
+    text = AutoModelForCausalLM.from_config(DeepseekV3Config(**cfg["text_config"]), torch_dtype=torch.float32)
+    weights: dict[str, Any] = {}
+    with torch.no_grad():
+        # Larger-than-default init so that layers differ clearly from each other.
+        for p in text.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.06)
+        for name, t in text.state_dict().items():
+            weights["language_model." + name] = t.contiguous()
+        v = cfg["vision_config"]
+        hv, iv, ps = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+        merged = hv * v["merge_kernel_size"][0] * v["merge_kernel_size"][1]
+        shapes = {
+            "vision_tower.patch_embed.proj.weight": (hv, 3, ps, ps),
+            "vision_tower.patch_embed.proj.bias": (hv,),
+            "vision_tower.patch_embed.pos_emb.weight": (v["init_pos_emb_height"], v["init_pos_emb_width"], hv),
+            "vision_tower.encoder.final_layernorm.weight": (hv,),
+            "vision_tower.encoder.final_layernorm.bias": (hv,),
+            "mm_projector.pre_norm.weight": (hv,),
+            "mm_projector.pre_norm.bias": (hv,),
+            "mm_projector.proj.0.weight": (merged, merged),
+            "mm_projector.proj.0.bias": (merged,),
+            "mm_projector.proj.2.weight": (hidden, merged),
+            "mm_projector.proj.2.bias": (hidden,),
+        }
+        for i in range(v["num_hidden_layers"]):
+            b = f"vision_tower.encoder.blocks.{i}."
+            shapes.update({
+                b + "norm0.weight": (hv,), b + "norm0.bias": (hv,),
+                b + "norm1.weight": (hv,), b + "norm1.bias": (hv,),
+                b + "wqkv.weight": (3 * hv, hv), b + "wqkv.bias": (3 * hv,),
+                b + "wo.weight": (hv, hv), b + "wo.bias": (hv,),
+                b + "mlp.fc0.weight": (iv, hv), b + "mlp.fc0.bias": (iv,),
+                b + "mlp.fc1.weight": (hv, iv), b + "mlp.fc1.bias": (hv,),
+            })
+        for name, shape in shapes.items():
+            norm_weight = name.endswith("norm0.weight") or name.endswith("norm1.weight") or (
+                "layernorm.weight" in name or "pre_norm.weight" in name)
+            weights[name] = torch.ones(shape) if norm_weight else torch.randn(shape) * 0.06
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _tokenizer(path)
+    _kimi_k25_processor(path)
+    return path
+
+
+def _kimi_k25_processor(path: Path) -> None:
+    """The media token in the tokenizer, and the image processor vLLM loads."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": ["<|media_pad|>"]})
+    if tok.convert_tokens_to_ids("<|media_pad|>") != _KIMI_MEDIA_TOKEN:
+        raise RuntimeError(f"{path}: <|media_pad|> is not token {_KIMI_MEDIA_TOKEN}")
+    tok.save_pretrained(path)
+    (path / "kimi_k25_vision_processing.py").write_text(_KIMI_PROCESSOR_MODULE)
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "TinyKimiK25VisionProcessor",
+        "auto_map": {"AutoImageProcessor": "kimi_k25_vision_processing.TinyKimiK25VisionProcessor"},
+        "patch_size": 14, "merge_kernel_size": [2, 2], "grid": [4, 4], "num_frames_per_chunk": 4,
+    }, indent=1))
 
 
 def _hf_class(config: Any) -> Any:

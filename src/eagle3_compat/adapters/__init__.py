@@ -60,6 +60,9 @@ VERIFIED_ARCHITECTURES = (
     "Olmo2ForCausalLM",
     "LlavaForConditionalGeneration",
     "DeepseekV3ForCausalLM",
+    # vision tower + DeepseekV3 text model; the capture hooks the text model's
+    # decoder layers (get_language_model()), text prompts only
+    "KimiK25ForConditionalGeneration",
 )
 ENV_ALLOW_UNVERIFIED = "EAGLE3_COMPAT_ALLOW_UNVERIFIED"
 
