@@ -3,7 +3,7 @@
 # vLLM (CUDA) + speculators 0.3.0 installed for python3:
 #
 #   tools/gpu_run.sh            # suite, then benchmark
-#   tools/gpu_run.sh suite [pytest args...]
+#   tools/gpu_run.sh suite [pytest args...]   # test ids given run in that order
 #   tools/gpu_run.sh bench [benchmark args...]
 #
 # Logs and the benchmark's table go to $OUT (default ./gpu-results).
@@ -30,7 +30,10 @@ PY
 } | tee "$OUT/machine.txt"
 rc=0
 if [ "$what" = all ] || [ "$what" = suite ]; then
-  "$PY" -m pytest tests/gpu -p no:cacheprovider -rA --durations=0 --junitxml="$OUT/gpu-suite.xml" "$@" \
+  # test ids or paths among the arguments run in the order given, else all of tests/gpu
+  targets=tests/gpu
+  for a in "$@"; do case "$a" in tests/*) targets=;; esac; done
+  "$PY" -m pytest $targets -p no:cacheprovider -rA --durations=0 --junitxml="$OUT/gpu-suite.xml" "$@" \
     2>&1 | tee "$OUT/gpu-suite.log"
   rc=${PIPESTATUS[0]}
 fi

@@ -388,6 +388,33 @@ def test_moe_and_mla_match_vllm_forward(family, dtype, tol, runner, models, vllm
         print(f"{family} {dtype} {runner}: worst relative error vs Hugging Face {worst_hf:.3g}")
 
 
+def test_kimi_k25_mla_matches_vllm_forward(models, vllm_reference, record_property):
+    """Kimi-K2.5 (vision tower + DeepseekV3 text model) with MLA on, bfloat16,
+    the real latent sizes (so vLLM picks its CUDA MLA backend as for the real
+    model), text prompts over several calls, on the runner vLLM chooses for
+    it: every row of the text model's layers against vLLM's own forward."""
+    from eagle3_compat.testing import compare
+
+    model = models("kimi_k25", hidden=512, mla=True)
+    ref = vllm_reference(model, "bfloat16")
+    from eagle3_compat.testing import ensure_applied
+
+    ensure_applied("bfloat16")
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    _free_gpu()
+    with VllmHiddenStatesGenerator(str(model), layer_ids=LAYERS, max_model_len=MAX_MODEL_LEN,
+                                   gpu_memory_utilization=0.3) as gen:
+        info = gen._e3c_worker_info
+        results = _in_calls(gen, PROMPTS)
+    assert (info["model"], info["hidden_size"]) == ("KimiK25ForConditionalGeneration", 512), info
+    worst = compare(results, ref, PROMPTS, LAYERS, MLA_BF16_TOL)
+    record_property("max_rel_error", worst)
+    record_property("runner", info["runner"])
+    print(f"kimi_k25 mla bfloat16 {info['runner']}: worst relative error vs vLLM's own forward {worst:.3g}")
+    _must_fail(compare, results, ref, PROMPTS, LAYERS, MLA_BF16_TOL)
+
+
 def test_bad_layer_ids_refused_before_the_engine(models):
     from eagle3_compat.testing import ensure_applied
 
