@@ -67,6 +67,28 @@ def _config(family: str, vocab: int, layers: int, hidden: int) -> dict[str, Any]
     if family == "qwen3":
         return {**common, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
                 "rope_theta": 1000000.0, "attention_bias": False, "use_sliding_window": False}
+    if family == "qwen2":
+        # Qwen2 / Qwen2.5: dense, biases on q/k/v (random, see _PERTURBED).
+        return {**common, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                "rope_theta": 1000000.0, "use_sliding_window": False}
+    if family == "mistral":
+        # vLLM runs MistralForCausalLM on its Llama classes.  A window shorter
+        # than the longer prompts, so that sliding-window attention shows.
+        return {**common, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                "rope_theta": 1000000.0, "sliding_window": 128}
+    if family == "gemma2":
+        # Alternating sliding-window (64) and full layers, attention and final
+        # logit soft-capping, embeddings scaled by sqrt(hidden), four norms per
+        # layer ((1 + weight) RMSNorm), tied embeddings, tanh GELU (vLLM reads
+        # hidden_act, transformers hidden_activation; Google's configs hold both).
+        return {**common, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
+                "rope_theta": 10000.0, "hidden_act": "gelu_pytorch_tanh",
+                "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": 64, "sliding_window": 64,
+                "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                for i in range(layers)],
+                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                "tie_word_embeddings": True, "attention_bias": False}
     if family == "qwen3_moe":
         # Every layer MoE: 8 experts, top 2 (no shared expert in this family).
         return {**common, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
@@ -122,8 +144,12 @@ def _config(family: str, vocab: int, layers: int, hidden: int) -> dict[str, Any]
     raise ValueError(f"unknown tiny-model family {family!r}; known: {FAMILIES}")
 
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmo2", "llava", "deepseek_v3", "deepseek_v3_l4s", "deepseek_v3_mla",
-            "kimi_k25")
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "qwen3", "qwen3_moe", "olmo2", "llava",
+            "deepseek_v3", "deepseek_v3_l4s", "deepseek_v3_mla", "kimi_k25")
+# Families whose one-dimensional weights (biases, norm scales) get random
+# values too, so that a misplaced bias or norm shows: the default init leaves
+# biases at 0 and norm scales at 1 (Gemma's (1 + weight) norms at 0).
+_PERTURBED = ("qwen2", "mistral", "gemma2")
 
 # Kimi-K2.5's media placeholder ("<|media_pad|>"): a special token of the
 # tiny tokenizer, right after its words (vLLM's processor looks for this id).
@@ -226,6 +252,8 @@ def make_tiny_model(
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.06)
+            elif family in _PERTURBED:
+                p.add_(torch.randn_like(p) * 0.06)
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer(path)
     if family == "llava":
@@ -461,8 +489,13 @@ def hf_layer_outputs(
     from transformers import AutoConfig  # noqa: PLC0415
 
     torch_dtype = getattr(torch, dtype)
-    model = _hf_class(AutoConfig.from_pretrained(model_path)).from_pretrained(
-        model_path, torch_dtype=torch_dtype
+    config = AutoConfig.from_pretrained(model_path)
+    # transformers' SDPA path drops attention logit soft-capping (Gemma 2):
+    # the eager one applies it.
+    softcapped = getattr(config, "attn_logit_softcapping", None)
+    extra = {"attn_implementation": "eager"} if softcapped else {}
+    model = _hf_class(config).from_pretrained(
+        model_path, torch_dtype=torch_dtype, **extra
     ).to(device)
     model.eval()
     layers = _hf_decoder_layers(model)

@@ -55,6 +55,11 @@ class Adapter:
 # suite (see README, "Verified model families").
 VERIFIED_ARCHITECTURES = (
     "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    # vLLM's Llama classes (its MistralForCausalLM subclasses them)
+    "MistralForCausalLM",
+    # scaled embeddings, four norms per layer, soft-capping, sliding window
+    "Gemma2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Olmo2ForCausalLM",
