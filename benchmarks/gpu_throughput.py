@@ -32,6 +32,11 @@ prompts (``prompts.json`` / ``prompts.jsonl`` in the work dir):
 ``stream``
     the same generator, ``gen.stream(prompts)`` over every prompt, each
     sample counted and dropped as it comes.
+``stream-10x``
+    ``stream`` over the prompt list ten times over, in one ``stream()``
+    call: its peak PSS against ``stream``'s shows whether host memory is
+    bounded by what is in flight (it should be the same) or grows with the
+    list.
 ``cli``
     ``python -m eagle3_compat generate --model M --input prompts.jsonl
     --output-dir DIR --layer-ids ... --seq-length 4096 --dtype bfloat16``
@@ -118,7 +123,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 
-MODES = ("prefill", "prefill-eager", "generate", "stream", "cli", "extract-hidden-states")
+MODES = ("prefill", "prefill-eager", "generate", "stream", "cli", "stream-10x", "extract-hidden-states")
 EXTRA_MODES = ("extract-hidden-states-eager",)
 GENERATOR_MODES = ("generate", "stream")
 # speculators 0.3.0's engine limits, which the generator keeps (eagle3_compat.generator)
@@ -662,8 +667,11 @@ def child_generate(ctx: Child) -> dict[str, Any]:
             "engine": _engine_info(gen.vllm_config), "notes": notes}
 
 
-def child_stream(ctx: Child) -> dict[str, Any]:
+def child_stream(ctx: Child, repeat: int = 1) -> dict[str, Any]:
+    """``stream()`` over the prompts (``repeat`` times over, in one stream:
+    host memory must stay bounded by what is in flight, not by the list)."""
     gen, start_s, import_s, notes = _start_generator(ctx)
+    prompts = ctx.prompts * repeat
     mif = ctx.spec.get("max_in_flight")
     kw = {} if not mif else {"max_in_flight": int(mif)}
     for _ in gen.stream(ctx.warmup, **kw):
@@ -671,17 +679,20 @@ def child_stream(ctx: Child) -> dict[str, Any]:
     nbytes = rows = bad = n = 0
     check_s = 0.0
     t1 = time.perf_counter()
-    for index, sample in gen.stream(ctx.prompts, **kw):
+    for index, sample in gen.stream(prompts, **kw):
         c0 = time.perf_counter()
-        bad += _order_errors([ctx.prompts[index]], [sample])
+        bad += _order_errors([prompts[index]], [sample])
         check_s += time.perf_counter() - c0
         nbytes += _sample_bytes(sample)
         rows += len(sample["input_ids"])
         n += 1
         del sample
     seconds = time.perf_counter() - t1 - check_s
-    bad += abs(n - len(ctx.prompts))
+    bad += abs(n - len(prompts))
     notes.append(f"max_in_flight {mif or 'default (eagle3_compat.generator.DEFAULT_MAX_IN_FLIGHT)'}")
+    if repeat > 1:
+        notes.append(f"{len(prompts)} prompts ({repeat} x the prompt list) in one stream(): its peak PSS "
+                     "against stream's shows whether host memory grows with the list")
     return {"tokens": rows, "seconds": seconds, "tok_s": rows / seconds, "start_s": start_s,
             "import_s": import_s, "bytes_captured": nbytes, "bytes_to_host": nbytes, "order_errors": bad,
             "engine": _engine_info(gen.vllm_config), "notes": notes}
@@ -914,6 +925,7 @@ CHILDREN: dict[str, Callable[[Child], dict[str, Any]]] = {
     "prefill-eager": lambda c: child_prefill(c, eager=True),
     "generate": child_generate,
     "stream": child_stream,
+    "stream-10x": lambda c: child_stream(c, repeat=10),
     "cli": child_cli,
     "extract-hidden-states": lambda c: child_extract_hidden_states(c, eager=False),
     "extract-hidden-states-eager": lambda c: child_extract_hidden_states(c, eager=True),
