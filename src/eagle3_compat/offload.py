@@ -36,6 +36,7 @@ work runs inline, at the end of the step.
 from __future__ import annotations
 
 import queue
+import time
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -93,6 +94,12 @@ class HostOffload:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.depth = depth
+        # cudaHostRegister calls so far, the bytes they page-locked and the
+        # seconds they took (each file is registered once: a new file per
+        # call shows here as time spent at the link's first use).
+        self.registrations = 0
+        self.registered_bytes = 0
+        self.register_seconds = 0.0
         self._pools: dict[Hashable, _Pool] = {}
         self._error: BaseException | None = None
         if self.cuda:
@@ -170,9 +177,13 @@ class HostOffload:
 
         cudart = torch.cuda.cudart()
         ptr, size = host.data_ptr(), host.numel() * host.element_size()
+        t0 = time.perf_counter()
         err = cudart.cudaHostRegister(ptr, size, 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {size} bytes failed: {err}")
+        self.registrations += 1
+        self.registered_bytes += size
+        self.register_seconds += time.perf_counter() - t0
         done = [False]
 
         def unregister() -> None:

@@ -783,6 +783,19 @@ def _ref_rows(outputs: list[tuple[bool, Any, str]], prompts: Sequence[Sequence[i
     return rows
 
 
+def _reference_model_len(model_path: str | Path, max_len: int) -> int:
+    """The reference engine's ``max_model_len`` for prompts of up to ``max_len``
+    tokens: a few positions of headroom, but never past the model's own
+    ``max_position_embeddings`` (vLLM refuses a longer one), which still
+    leaves room for the one token a prompt-only request generates."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    limit = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    want = max_len + 8
+    if limit and want > int(limit) >= max_len + 1:
+        return int(limit)
+    return want
+
+
 class VllmReference:
     """vLLM's own, unpatched engine as a reference (reference (2)); one engine start.
 
@@ -832,7 +845,7 @@ class VllmReference:
                     enforce_eager=True,
                     compilation_config=0,
                     enable_prefix_caching=False,
-                    max_model_len=max_len + 8,
+                    max_model_len=_reference_model_len(model_path, max_len),
                     max_num_batched_tokens=max(8192, max_len + 8),
                     seed=0,
                     **engine_kwargs(dtype, str(model_path)),  # as the generator starts on this CPU build

@@ -926,6 +926,7 @@ class CaptureWorkerExtension:
                 pass
 
         maps = getattr(self, "_e3c_maps", {})
+        offload = getattr(self, "_e3c_offload", None)
         trimmer = getattr(self, "_e3c_trimmer", None)
         state = getattr(self, "_e3c_call", None)
         return {
@@ -953,4 +954,9 @@ class CaptureWorkerExtension:
             "call_prompts": state.prompts_known() if state else 0,
             "kept_maps": sorted(maps),
             "kept_bytes": sum(len(mm) for mm in maps.values() if not mm.closed),
+            # CUDA: arenas page-locked for direct copies (eagle3_compat.offload.HostOffload.register)
+            "pinned_files": len(getattr(self, "_e3c_pinned", {})),
+            "registrations": getattr(offload, "registrations", 0),
+            "registered_bytes": getattr(offload, "registered_bytes", 0),
+            "register_seconds": getattr(offload, "register_seconds", 0.0),
         }

@@ -356,7 +356,7 @@ def vllm_reference():
     def get(model, dtype):
         key = (str(model), dtype)
         if key not in cache:
-            with VllmReference(model, MAX_MODEL_LEN, dtype, gpu_memory_utilization=0.3) as ref:
+            with VllmReference(model, MAX_MODEL_LEN - 1, dtype, gpu_memory_utilization=0.3) as ref:
                 cache[key] = [[t.clone() for t in per] for per in ref.layer_outputs(PROMPTS, LAYERS)]
             _free_gpu()
         return cache[key]
