@@ -684,6 +684,24 @@ def _second_pass(result: dict[str, Any], again: Callable[[], tuple[int, float]],
                            f"second pass {delta(after_first, after_second)}")
 
 
+def _generator_result(gen: Any, timed: Callable[[], tuple[int, int, int, float]], start_s: float,
+                      import_s: float, notes: list[str], pins: dict[str, Any] | None) -> dict[str, Any]:
+    """One timed pass (``timed()``: bytes, rows, order errors, seconds) and,
+    where ``pins`` (the page-locking before it) is given, a second one."""
+    nbytes, rows, bad, seconds = timed()
+    result = {"tokens": rows, "seconds": seconds, "tok_s": rows / seconds, "start_s": start_s,
+              "import_s": import_s, "bytes_captured": nbytes, "bytes_to_host": nbytes, "order_errors": bad,
+              "engine": _engine_info(gen.vllm_config), "notes": notes}
+    if pins is not None:
+        def again() -> tuple[int, float]:
+            _, r, b, sec = timed()
+            result["order_errors"] += b
+            return r, sec
+
+        _second_pass(result, again, gen, pins)
+    return result
+
+
 def child_generate(ctx: Child) -> dict[str, Any]:
     gen, start_s, import_s, notes = _start_generator(ctx)
     gen.generate(ctx.warmup)
@@ -705,19 +723,8 @@ def child_generate(ctx: Child) -> dict[str, Any]:
             del out
         return nbytes, rows, bad, time.perf_counter() - t1 - check_s
 
-    nbytes, rows, bad, seconds = timed()
     notes.append(f"{math.ceil(len(ctx.prompts) / batch)} calls of <= {batch} prompts")
-    result = {"tokens": rows, "seconds": seconds, "tok_s": rows / seconds, "start_s": start_s,
-              "import_s": import_s, "bytes_captured": nbytes, "bytes_to_host": nbytes, "order_errors": bad,
-              "engine": _engine_info(gen.vllm_config), "notes": notes}
-
-    def again() -> tuple[int, float]:
-        _, r, b, sec = timed()
-        result["order_errors"] += b
-        return r, sec
-
-    _second_pass(result, again, gen, pins)
-    return result
+    return _generator_result(gen, timed, start_s, import_s, notes, pins)
 
 
 def child_stream(ctx: Child, repeat: int = 1) -> dict[str, Any]:
@@ -745,22 +752,11 @@ def child_stream(ctx: Child, repeat: int = 1) -> dict[str, Any]:
             del sample
         return nbytes, rows, bad + abs(n - len(prompts)), time.perf_counter() - t1 - check_s
 
-    nbytes, rows, bad, seconds = timed()
     notes.append(f"max_in_flight {mif or 'default (eagle3_compat.generator.DEFAULT_MAX_IN_FLIGHT)'}")
     if repeat > 1:
         notes.append(f"{len(prompts)} prompts ({repeat} x the prompt list) in one stream(): its peak PSS "
                      "against stream's shows whether host memory grows with the list")
-    result = {"tokens": rows, "seconds": seconds, "tok_s": rows / seconds, "start_s": start_s,
-              "import_s": import_s, "bytes_captured": nbytes, "bytes_to_host": nbytes, "order_errors": bad,
-              "engine": _engine_info(gen.vllm_config), "notes": notes}
-    if repeat == 1:
-        def again() -> tuple[int, float]:
-            _, r, b, sec = timed()
-            result["order_errors"] += b
-            return r, sec
-
-        _second_pass(result, again, gen, pins)
-    return result
+    return _generator_result(gen, timed, start_s, import_s, notes, pins if repeat == 1 else None)
 
 
 def child_extract_hidden_states(ctx: Child, eager: bool) -> dict[str, Any]:
