@@ -15,9 +15,17 @@ mkdir -p "$OUT"
 PY="${PY:-python3}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
        HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# NVLink multicast off in NCCL, PyTorch and NVSHMEM unless set (on a shared
+# host a program that uses it can take the GPUs out of service); the
+# engines' processes inherit these.
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}" \
+       NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
+# The cases of tests/gpu/test_gpu_parallel.py run where this many GPUs are visible.
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  echo "GPUs visible: $GPUS (tensor/pipeline parallel cases need 2, 4 or 8)"
   "$PY" - <<'PY'
 import importlib.metadata as md
 for name in ("vllm", "torch", "transformers", "speculators", "triton"):
