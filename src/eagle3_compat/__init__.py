@@ -18,15 +18,15 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _state
+from . import _state, settings
 from . import logs as _logs  # noqa: F401  (only a NullHandler on the "eagle3_compat" logger)
 from .versions import SUPPORTED_SPECULATORS, SUPPORTED_VLLM, Found, detect, minor, vllm_supported
 
 __all__ = ["Status", "UnsupportedVersionError", "apply", "revert", "status", "__version__"]
 __version__ = "0.1.0.dev0"
 
-ENV_STRICT = "EAGLE3_COMPAT_STRICT"
-ENV_APPLIED = "EAGLE3_COMPAT_APPLIED"  # set while applied; child processes apply too
+ENV_STRICT = settings.STRICT.name
+ENV_APPLIED = settings.APPLIED.name  # set while applied; child processes apply too
 _DTYPES = (None, "auto", "float32", "bfloat16", "float16")
 
 
@@ -92,7 +92,7 @@ def status() -> Status:
 
 
 def _unsupported(msg: str) -> None:
-    if os.environ.get(ENV_STRICT, "") not in ("", "0"):
+    if settings.STRICT.get():
         raise UnsupportedVersionError(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 

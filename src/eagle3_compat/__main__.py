@@ -223,8 +223,10 @@ def _doctor(_args: argparse.Namespace) -> int:
                      if huge_pages_reported() else "")))
     method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "(vLLM default)")
     rows.append(("worker start method", f"{method}; this process: {multiprocessing.get_start_method()}"))
-    rows.append(("log level", os.environ.get("EAGLE3_COMPAT_LOG_LEVEL", "INFO")
-                 + (" + debug" if os.environ.get("EAGLE3_COMPAT_DEBUG") else "")))
+    from eagle3_compat.settings import DEBUG, LOG_LEVEL
+
+    level = LOG_LEVEL.raw()
+    rows.append(("log level", ("INFO" if level is None else level) + (" + debug" if DEBUG.raw() else "")))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k.ljust(width)}  {v}")
@@ -236,8 +238,11 @@ def _doctor(_args: argparse.Namespace) -> int:
 
 def _status(_args: argparse.Namespace) -> int:
     import eagle3_compat
+    from eagle3_compat.settings import table
 
     print(eagle3_compat.status())
+    print()
+    print(table())
     return 0
 
 
@@ -263,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3-compat", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="extract hidden states from a tiny local model and check them")
-    sub.add_parser("status", help="versions found and adapters (without applying)")
+    sub.add_parser("status", help="versions found, adapters (without applying) and every EAGLE3_COMPAT_* "
+                                  "setting")
     sub.add_parser("doctor", help="check versions, adapters and the worker side; exit 1 on problems")
     g = sub.add_parser(
         "generate", help="extract hidden states into speculators' training folder "

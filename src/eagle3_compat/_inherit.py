@@ -18,11 +18,12 @@ in them through the engine's ``worker_extension_cls``.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
-ENV = "EAGLE3_COMPAT_APPLIED"
+from .settings import APPLIED
+
+ENV = APPLIED.name
 TARGET = "speculators.data_generation.vllm_hidden_states_generator"
 
 _registered = False  # one hook per process
@@ -46,7 +47,7 @@ def install() -> None:
     generator module has executed (at once if it already has).
     """
     global _registered
-    raw = os.environ.get(ENV)
+    raw = APPLIED.get()
     if not raw or _registered:
         return
     try:

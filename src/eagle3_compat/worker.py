@@ -56,6 +56,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from . import settings
 from .arena import LocalSink, ShmSink, forget_all, layout_for, probe_seen
 from .capture import CaptureError, Segment, StepLayout, StepSlicer, check_plan, clip_run, shard_rows
 from .cpu_attention import grant_amx
@@ -467,7 +468,7 @@ class CaptureWorkerExtension:
         self._e3c_call: _Call | None = None
         self._e3c_step: _Step | None = None
         self._e3c_maps: dict[str, Any] = {}  # the driver's pool files mapped here, by key
-        self._e3c_debug = os.environ.get("EAGLE3_COMPAT_DEBUG", "") not in ("", "0")
+        self._e3c_debug = settings.DEBUG.get()
         self._e3c_offload = HostOffload(param.device) if self._e3c_hooked else None
         self._e3c_dtype = str(param.dtype).removeprefix("torch.")
         self._e3c_hidden = int(runner.model_config.get_hidden_size())

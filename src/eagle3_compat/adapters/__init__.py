@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._journal import Journal
+from ..settings import ALLOW_UNVERIFIED
 
 __all__ = ["ADAPTERS", "Adapter", "AdapterError", "VERIFIED_ARCHITECTURES", "refuse_unverified"]
 
@@ -69,17 +70,15 @@ VERIFIED_ARCHITECTURES = (
     # decoder layers (get_language_model()), text prompts only
     "KimiK25ForConditionalGeneration",
 )
-ENV_ALLOW_UNVERIFIED = "EAGLE3_COMPAT_ALLOW_UNVERIFIED"
+ENV_ALLOW_UNVERIFIED = ALLOW_UNVERIFIED.name
 
 
 def refuse_unverified(config: Any) -> None:
     """Refuse, before any weights load, an architecture no test has verified."""
-    import os  # noqa: PLC0415
-
     archs = list(getattr(config, "architectures", None) or [])
     if any(a in VERIFIED_ARCHITECTURES for a in archs):
         return
-    if os.environ.get(ENV_ALLOW_UNVERIFIED, "") not in ("", "0"):
+    if ALLOW_UNVERIFIED.get():
         return
     raise ValueError(
         f"eagle3_compat has not verified hidden-state capture for architecture(s) {archs}; "
