@@ -226,7 +226,7 @@ def _doctor(_args: argparse.Namespace) -> int:
     from eagle3_compat.settings import DEBUG, LOG_LEVEL
 
     level = LOG_LEVEL.raw()
-    rows.append(("log level", ("INFO" if level is None else level) + (" + debug" if DEBUG.raw() else "")))
+    rows.append(("log level", ("INFO" if level is None else level) + (" + debug" if DEBUG.get() else "")))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k.ljust(width)}  {v}")
