@@ -93,7 +93,7 @@ def test_llama_4_scaling_reaches_the_layers(tiny_models, vllm_minor):
 # Full suite only (vllm016): one more engine pair per env would lengthen the
 # other envs' CI runs.
 @pytest.mark.extended
-def test_kimi_k25_matches_vllm_forward(tiny_models, vllm_minor):
+def test_kimi_k25_matches_vllm_forward(tiny_models, vllm_minor, tmp_path):
     """Kimi-K2.5 (KimiK25ForConditionalGeneration: a MoonViT vision tower and
     projector in front of a DeepseekV3 text model; MLA disabled on the CPU):
     text prompts, the capture on the text model's decoder layers behind
@@ -132,3 +132,22 @@ def test_kimi_k25_matches_vllm_forward(tiny_models, vllm_minor):
         compare(batched, ref, prompts, layers, 1e-5)
     else:
         print(f"kimi_k25: vLLM's own batching drift {drift:.2f} nats; batched states not compared")
+    # The CLI job on the same checkpoint: each file's rows against the same reference.
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    out = tmp_path / "out"
+    job = subprocess.run([sys.executable, "-m", "eagle3_compat", "generate", "--model", str(model), "--input",
+                          str(src), "--output", str(out), "--layer-ids", ",".join(map(str, layers)),
+                          "--max-model-len", "128", "--batch-size", "1", "--dtype", "float32",
+                          "--no-trainer-checks"], capture_output=True, text=True, timeout=600)
+    assert job.returncode == 0, job.stderr[-4000:]
+    files = [torch.load(out / f"data_{i}.pt", weights_only=True) for i in range(len(prompts))]
+    assert sorted(x.name for x in out.glob("data_*.pt")) == sorted(f"data_{i}.pt" for i in range(len(prompts)))
+    compare([{"input_ids": f["input_ids"], "hidden_states": f["hidden_states"]} for f in files], ref, prompts,
+            layers, 1e-5)
