@@ -187,6 +187,18 @@ def pytest_sessionfinish(session, exitstatus):
         _ENGINE_STARTS.finish()
 
 
+def pytest_runtest_logreport(report):
+    """With ``E3C_FAILURES_AT_ONCE=1`` (``tools/gpu_run.sh`` sets it), a failed
+    test's report is written to stderr as it fails, not only in the final
+    summary: a run stopped from outside (a device call's time limit) still
+    shows why each case failed."""
+    if report.failed and os.environ.get("E3C_FAILURES_AT_ONCE") == "1":
+        import sys
+
+        sys.stderr.write(f"\n=== FAILED {report.nodeid} ({report.when}) ===\n{report.longreprtext[-6000:]}\n")
+        sys.stderr.flush()
+
+
 _ROOT_CAUSE = ("Error:", "Error(", "Exception:", "error:", "EADDRINUSE", "Killed", "Traceback")
 
 

@@ -15,6 +15,8 @@ mkdir -p "$OUT"
 PY="${PY:-python3}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
        HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# each failure's report as it happens (tests/conftest.py), not only at the end
+export E3C_FAILURES_AT_ONCE=1
 # NVLink multicast off in NCCL, PyTorch and NVSHMEM unless set (on a shared
 # host a program that uses it can take the GPUs out of service); the
 # engines' processes inherit these.
