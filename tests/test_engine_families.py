@@ -151,3 +151,47 @@ def test_kimi_k25_matches_vllm_forward(tiny_models, vllm_minor, tmp_path):
     assert sorted(x.name for x in out.glob("data_*.pt")) == sorted(f"data_{i}.pt" for i in range(len(prompts)))
     compare([{"input_ids": f["input_ids"], "hidden_states": f["hidden_states"]} for f in files], ref, prompts,
             layers, 1e-5)
+
+
+@pytest.mark.extended
+def test_gpt_oss_matches_vllm_forward(tiny_models, vllm_minor):
+    """gpt-oss (GptOssForCausalLM, unquantized): every layer MoE with biased
+    experts and router, attention sinks, q/k/v/o biases, sliding window 128 on
+    alternate layers, YaRN rope.  In bfloat16: vLLM's CPU attention kernel takes
+    sinks in bfloat16 only (float32 fails at the first step).  Every row of
+    every layer against vLLM's own bfloat16 forward (not against HF float32:
+    past the first few tokens the bfloat16 states differ from it by up to 0.6
+    relative, vLLM's own forward as much as the capture)."""
+    from vllm.model_executor.models import ModelRegistry
+
+    if "GptOssForCausalLM" not in ModelRegistry.get_supported_archs():
+        pytest.skip(f"vLLM {vllm_minor[0]}.{vllm_minor[1]} has no gpt-oss model")
+    import torch
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    from eagle3_compat.testing import VllmReference, compare, ensure_applied
+
+    model = tiny_models("gpt_oss", layers=4)
+    layers = [3, 0, 1]  # the last layer (full attention), a sliding and a full one; unsorted
+    # lengths 1, 2, 300 and 299: past the window and the rope's 128 original positions
+    prompts = mixed_prompts(4, 300, seed=17)
+    ensure_applied("bfloat16")
+    with VllmReference(model, max(map(len, prompts)), dtype="bfloat16") as engine:
+        ref = engine.layer_outputs(prompts, layers)
+        drift = engine.batching_drift(prompts)
+    with VllmHiddenStatesGenerator(str(model), layer_ids=layers, max_model_len=512) as g:
+        results = _one_by_one(g, prompts)
+        batched = g.generate(prompts)
+    assert results[0]["hidden_states"][0].dtype == torch.bfloat16
+    worst = compare(results, ref, prompts, layers, 1e-5)
+    print(f"gpt_oss: max relative error vs vLLM forward (bfloat16) {worst:.2e}")
+    # Several prompts in one step, as for DeepseekV3: values only where vLLM's
+    # own forward does not depend on the batch (the first prompt in any case).
+    for r, p in zip(batched, prompts):
+        assert r["input_ids"].tolist() == p
+        assert [tuple(h.shape) for h in r["hidden_states"]] == [(len(p), 256)] * len(layers)
+    compare(batched[:1], ref[:1], prompts[:1], layers, 1e-5)
+    if drift < 1e-4:
+        compare(batched, ref, prompts, layers, 1e-5)
+    else:
+        print(f"gpt_oss: vLLM's own batching drift {drift:.2f} nats; batched states not compared")

@@ -89,6 +89,20 @@ def _config(family: str, vocab: int, layers: int, hidden: int) -> dict[str, Any]
                                 for i in range(layers)],
                 "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                 "tie_word_embeddings": True, "attention_bias": False}
+    if family == "gpt_oss":
+        # gpt-oss, unquantized (the real checkpoints' experts are MXFP4): every
+        # layer MoE (4 experts, top 2, biased experts and router), attention
+        # sinks, q/k/v/o biases, sliding window 128 on alternate layers, YaRN
+        # rope.  vLLM's CPU attention takes sinks in bfloat16 only: run there in
+        # bfloat16.
+        return {**common, "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+                "intermediate_size": hidden, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 128, "rope_theta": 150000.0,
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False,
+                                 "original_max_position_embeddings": 128},
+                "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                for i in range(layers)]}
     if family == "qwen3_moe":
         # Every layer MoE: 8 experts, top 2 (no shared expert in this family).
         return {**common, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
@@ -144,12 +158,12 @@ def _config(family: str, vocab: int, layers: int, hidden: int) -> dict[str, Any]
     raise ValueError(f"unknown tiny-model family {family!r}; known: {FAMILIES}")
 
 
-FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "qwen3", "qwen3_moe", "olmo2", "llava",
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt_oss", "qwen3", "qwen3_moe", "olmo2", "llava",
             "deepseek_v3", "deepseek_v3_l4s", "deepseek_v3_mla", "kimi_k25")
 # Families whose one-dimensional weights (biases, norm scales) get random
 # values too, so that a misplaced bias or norm shows: the default init leaves
 # biases at 0 and norm scales at 1 (Gemma's (1 + weight) norms at 0).
-_PERTURBED = ("qwen2", "mistral", "gemma2")
+_PERTURBED = ("qwen2", "mistral", "gemma2", "gpt_oss")
 
 # Kimi-K2.5's media placeholder ("<|media_pad|>"): a special token of the
 # tiny tokenizer, right after its words (vLLM's processor looks for this id).

@@ -61,6 +61,9 @@ VERIFIED_ARCHITECTURES = (
     "MistralForCausalLM",
     # scaled embeddings, four norms per layer, soft-capping, sliding window
     "Gemma2ForCausalLM",
+    # MoE with biased experts, attention sinks, sliding window; unquantized
+    # checkpoints in bfloat16 on the CPU (MXFP4 not run)
+    "GptOssForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Olmo2ForCausalLM",
