@@ -90,6 +90,23 @@ def test_llama_4_scaling_reaches_the_layers(tiny_models, vllm_minor):
     assert max_rel_error(out["scaled"][16:], out["plain"][16:]) > 1e-2
 
 
+def _batched_match(family, batched, ref, prompts, layers, drift, hidden=256):
+    """Several prompts in one step: vLLM's own MoE forward on this CPU may
+    depend on the batch (as for DeepseekV3), so rows, shapes and order always,
+    values where vLLM itself is batch-invariant (and the first prompt in any
+    case)."""
+    from eagle3_compat.testing import compare
+
+    for r, p in zip(batched, prompts):
+        assert r["input_ids"].tolist() == p
+        assert [tuple(h.shape) for h in r["hidden_states"]] == [(len(p), hidden)] * len(layers)
+    compare(batched[:1], ref[:1], prompts[:1], layers, 1e-5)
+    if drift < 1e-4:
+        compare(batched, ref, prompts, layers, 1e-5)
+    else:
+        print(f"{family}: vLLM's own batching drift {drift:.2f} nats; batched states not compared")
+
+
 # Full suite only (vllm016): one more engine pair per env would lengthen the
 # other envs' CI runs.
 @pytest.mark.extended
@@ -121,17 +138,7 @@ def test_kimi_k25_matches_vllm_forward(tiny_models, vllm_minor, tmp_path):
     assert (info["model"], info["num_layers"], info["hidden_size"]) == ("KimiK25ForConditionalGeneration", 4, 256)
     worst = compare(results, ref, prompts, layers, 1e-5)
     print(f"kimi_k25: max relative error vs vLLM forward {worst:.2e}")
-    # Several prompts in one step: as for DeepseekV3, vLLM's own MoE forward on
-    # this CPU may depend on the batch; rows, shapes and order always, values
-    # where vLLM itself is batch-invariant (and the first prompt in any case).
-    for r, p in zip(batched, prompts):
-        assert r["input_ids"].tolist() == p
-        assert [tuple(h.shape) for h in r["hidden_states"]] == [(len(p), 256)] * len(layers)
-    compare(batched[:1], ref[:1], prompts[:1], layers, 1e-5)
-    if drift < 1e-4:
-        compare(batched, ref, prompts, layers, 1e-5)
-    else:
-        print(f"kimi_k25: vLLM's own batching drift {drift:.2f} nats; batched states not compared")
+    _batched_match("kimi_k25", batched, ref, prompts, layers, drift)
     # The CLI job on the same checkpoint: each file's rows against the same reference.
     import json
     import subprocess
@@ -185,13 +192,4 @@ def test_gpt_oss_matches_vllm_forward(tiny_models, vllm_minor):
     assert results[0]["hidden_states"][0].dtype == torch.bfloat16
     worst = compare(results, ref, prompts, layers, 1e-5)
     print(f"gpt_oss: max relative error vs vLLM forward (bfloat16) {worst:.2e}")
-    # Several prompts in one step, as for DeepseekV3: values only where vLLM's
-    # own forward does not depend on the batch (the first prompt in any case).
-    for r, p in zip(batched, prompts):
-        assert r["input_ids"].tolist() == p
-        assert [tuple(h.shape) for h in r["hidden_states"]] == [(len(p), 256)] * len(layers)
-    compare(batched[:1], ref[:1], prompts[:1], layers, 1e-5)
-    if drift < 1e-4:
-        compare(batched, ref, prompts, layers, 1e-5)
-    else:
-        print(f"gpt_oss: vLLM's own batching drift {drift:.2f} nats; batched states not compared")
+    _batched_match("gpt_oss", batched, ref, prompts, layers, drift)
