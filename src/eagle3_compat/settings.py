@@ -79,9 +79,8 @@ def get(name: str, environ: Environ | None = None) -> Any:
     return setting.get(environ)
 
 
-# The parsers.  Each keeps the rules its variable had before it was
-# declared here (what counts as unset, case, surrounding spaces), since
-# users' scripts and the tests rely on them.
+# The parsers.  Each variable has its own rules for what counts as unset,
+# case and surrounding spaces, which users' scripts and the tests rely on.
 
 def _flag(_name: str, raw: str) -> bool:
     # anything but empty or "0", unstripped
